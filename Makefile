@@ -1,0 +1,33 @@
+# normdense: `make demo` and `make test` install everything they need first (scripts/install.sh).
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+export VENV PYTHON
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-fast self-check clean-venv help
+
+help:
+	@echo "make demo        install if needed, then run the main job on bundled toy data"
+	@echo "make test        install if needed, then run the whole test suite"
+	@echo "make install     create $(VENV) with the pinned OpenMMLab stack and normdense (idempotent)"
+	@echo "make test-fast   the test suite without tests marked slow"
+	@echo "make self-check  import the stack and print versions"
+
+install:
+	@bash scripts/install.sh
+
+self-check: install
+	@$(PY) -m normdense.self_check
+
+demo: install
+	@$(PY) -m normdense.self_check
+
+test: install
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""Plain nn.Module implementations, one file per paper method (registered in normdense/registry.py)."""

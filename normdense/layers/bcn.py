@@ -1,0 +1,266 @@
+"""Batch-Channel Normalization (Qiao et al., "Micro-Batch Training with Batch-Channel Normalization and
+Weight Standardization", Sec. 7, Eq. 40-43, Algorithm 1).
+
+BCN(X) = CN(BN'(X)):
+
+    X_dot[:, c] = gamma^b_c (X[:, c] - mu_hat_c) / sigma_hat_c + beta^b_c                  (Eq. 40)
+    Y_dot[b, g] = gamma^c_g (X_dot[b, g] - mu_bg) / sigma_bg + beta^c_g, over C/G x H x W   (Eq. 42)
+
+where mu_hat_c, sigma_hat_c make the first stage zero-mean, unit-variance over the data (Eq. 41).
+
+``mode='batch'`` (large batch, Eq. 43): mu_hat, sigma_hat are the batch statistics (an ordinary BN,
+running statistics with ``momentum`` for eval), optionally synchronized across processes.
+
+``mode='estimate'`` (micro batch, Algorithm 1): the first stage always normalizes with running estimates
+(init 0 and 1) that the loss does not train. Each training forward first updates them with rate r::
+
+    mu_dot_c     = mean_{b,h,w} X[b, c, h, w]                        (step 1)
+    sigma_dot2_c = mean_{b,h,w} (X[b, c, h, w] - mu_hat_c)^2          (step 2, around the *estimate*)
+    mu_hat_c     += r (mu_dot_c - mu_hat_c)                           (step 3)
+    sigma_hat2_c += r (sigma_dot2_c - sigma_hat2_c)                   (step 4)
+
+and then normalizes with the updated estimates (steps 5-8); eval uses the same estimates. The paper sets
+r to the learning rate: ``BCNRateHook`` (normdense.hooks) copies the optimizer's current lr into every
+estimate-mode layer before each iteration, or ``update_rate`` fixes r. A training forward with neither
+raises instead of silently leaving the estimates at their initial values (the public code's r buffer
+starts at 0 and nothing sets it). In multi-process training the moments of steps 1-2 are averaged over
+all processes (``sync_stats``) so every replica keeps identical estimates.
+
+sigma_hat is taken as sqrt(sigma_hat2 + eps) for numerical safety, as BN does.
+
+Integration choices (documented in the README):
+* BCN subclasses ``nn.GroupNorm`` because its output stage *is* a group norm. OpenMMLab treats it as a
+  GN: mmengine's ``norm_decay_mult`` applies to all four of its affine parameters, mmdet's default init
+  constant-initializes it, and mmdet's ``norm_eval=True`` (which only touches ``_BatchNorm``) leaves it
+  in training mode as a whole: estimates keep adapting during fine-tuning as in the paper, never a
+  half-frozen layer. Use ``update_rate=0.0`` to freeze the estimates explicitly.
+* The channel-norm affine is per group (Eq. 42 and the authors' release, shape (G,)); ``group_affine=
+  False`` makes it per channel (shape (C,)).
+"""
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+BCN_MODES = ('batch', 'estimate')
+
+
+def _world_size():
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def update_estimates_(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, rate: float,
+                      sync: bool = True) -> None:
+    """Steps 1-4 of Algorithm 1, in place, outside autograd.
+
+    The variance is taken around the current estimate, which equals the batch variance plus the squared
+    distance of the batch mean from the estimate. With ``sync`` the per-channel sums are all-reduced so
+    every process applies the same update (exact also for unequal per-process batch sizes).
+    """
+    with torch.no_grad():
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        dims = [d for d in range(xf.dim()) if d != 1]
+        count = xf.numel() // xf.shape[1]
+        var_b, mean_b = torch.var_mean(xf, dim=dims, correction=0)
+        mu_hat = running_mean.to(xf.dtype)
+        second = var_b + (mean_b - mu_hat) ** 2  # mean of (x - mu_hat)^2
+        if sync and _world_size() > 1:
+            packed = torch.cat([mean_b * count, second * count, mean_b.new_tensor([count])])
+            dist.all_reduce(packed)
+            total = packed[-1]
+            mean_b, second = packed[:-1].chunk(2)
+            mean_b, second = mean_b / total, second / total
+        running_mean.add_(rate * (mean_b - mu_hat).to(running_mean.dtype))
+        running_var.add_(rate * (second - running_var.to(xf.dtype)).to(running_var.dtype))
+
+
+def _synced_batch_moments(x: torch.Tensor):
+    """Differentiable per-channel mean and biased variance over every process's batch (batch mode)."""
+    from torch.distributed.nn.functional import all_reduce
+    dims = [0, 2, 3]
+    count = x.new_tensor([x.numel() // x.shape[1]], dtype=torch.float32)
+    packed = torch.cat([x.sum(dims), (x * x).sum(dims), count.to(x.dtype)])
+    packed = all_reduce(packed)
+    total = packed[-1]
+    s, ss = packed[:-1].chunk(2)
+    mean = s / total
+    return mean, ss / total - mean * mean, total
+
+
+class BatchChannelNorm2d(nn.GroupNorm):
+    """Batch-Channel Normalization (Eq. 40-43, Algorithm 1); see the module docstring.
+
+    Args:
+        num_features: channels C (positional, as mmcv's ``build_norm_layer`` passes it).
+        num_groups: groups G of the channel stage (Eq. 42); must divide C. Default 32 as in the paper.
+        mode: ``'estimate'`` (micro batch, Algorithm 1; default) or ``'batch'`` (Eq. 43).
+        eps: added to both stages' variances.
+        momentum: running-statistics momentum of ``'batch'`` mode (eval statistics), as in BN.
+        update_rate: fixed r for ``'estimate'`` mode. ``None`` (default) takes r from ``BCNRateHook``
+            (the optimizer's current learning rate) or ``set_update_rate``.
+        sync_stats: average the moments across processes in distributed training (estimate mode: the
+            estimates' update; batch mode: the normalizing batch statistics, differentiably, like
+            SyncBN). Default on for estimate mode; off for batch mode, where it costs a collective in
+            the forward pass.
+        group_affine: per-group channel-stage affine (Eq. 42, default) instead of per-channel.
+    """
+    _abbr_ = 'bcn'
+
+    def __init__(self, num_features: int, num_groups: int = 32, mode: str = 'estimate', eps: float = 1e-5,
+                 momentum: float = 0.1, update_rate: Optional[float] = None, sync_stats: Optional[bool] = None,
+                 group_affine: bool = True):
+        if mode not in BCN_MODES:
+            raise ValueError(f'BCN mode must be one of {BCN_MODES}, got {mode!r}')
+        if num_groups <= 0 or num_features % num_groups:
+            raise ValueError(f'BCN num_groups={num_groups} must be positive and divide num_features={num_features}')
+        if update_rate is not None and mode != 'estimate':
+            raise ValueError("BCN update_rate only applies to mode='estimate'")
+        if update_rate is not None and not 0.0 <= update_rate <= 1.0:
+            raise ValueError(f'BCN update_rate must lie in [0, 1], got {update_rate}')
+        super().__init__(num_groups, num_features, eps=eps, affine=False)
+        self.mode = mode
+        self.momentum = momentum
+        self.update_rate = update_rate
+        self.sync_stats = (mode == 'estimate') if sync_stats is None else sync_stats
+        self.group_affine = group_affine
+        self.current_rate: Optional[float] = None  # set by BCNRateHook / set_update_rate each iteration
+        # Batch-knowledge stage (Eq. 40) and channel stage (Eq. 42) affines. The channel stage's keep
+        # GroupNorm's names so GN checkpoints map onto it.
+        affine_shape = num_groups if group_affine else num_features
+        self.weight = nn.Parameter(torch.ones(affine_shape))
+        self.bias = nn.Parameter(torch.zeros(affine_shape))
+        self.batch_weight = nn.Parameter(torch.ones(num_features))
+        self.batch_bias = nn.Parameter(torch.zeros(num_features))
+        self.register_buffer('running_mean', torch.zeros(num_features))
+        self.register_buffer('running_var', torch.ones(num_features))
+
+    @property
+    def needs_update_rate(self) -> bool:
+        """True for layers whose r comes from outside (read by BCNRateHook)."""
+        return self.mode == 'estimate' and self.update_rate is None
+
+    def _rate(self) -> float:
+        if self.update_rate is not None:
+            return self.update_rate
+        if self.current_rate is None:
+            raise RuntimeError(
+                "BatchChannelNorm2d(mode='estimate') is training but has no update rate r, so its estimates "
+                "would never move. Add custom_hooks=[dict(type='BCNRateHook')] to the config (r = the "
+                "optimizer's current learning rate, as in the paper), call "
+                "normdense.layers.bcn.set_update_rate(model, lr) each iteration, or set a fixed "
+                "norm_cfg update_rate=...")
+        return self.current_rate
+
+    def _batch_stage(self, x):
+        if self.mode == 'estimate':
+            if self.training:
+                update_estimates_(x, self.running_mean, self.running_var, self._rate(), self.sync_stats)
+            mean, var = self.running_mean, self.running_var
+        elif self.training and self.sync_stats and _world_size() > 1:
+            mean, var, count = _synced_batch_moments(x)
+            with torch.no_grad():
+                unbiased = var * count / (count - 1).clamp(min=1)
+                self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), self.momentum)
+                self.running_var.lerp_(unbiased.detach().to(self.running_var.dtype), self.momentum)
+        else:
+            return F.batch_norm(x, self.running_mean, self.running_var, self.batch_weight, self.batch_bias,
+                                self.training, self.momentum, self.eps)
+        # One fused per-channel affine: gamma^b (x - mu_hat) / sigma_hat + beta^b.
+        scale = self.batch_weight * torch.rsqrt(var.to(self.batch_weight.dtype) + self.eps)
+        shift = self.batch_bias - mean.to(scale.dtype) * scale
+        return x * scale.view(1, -1, 1, 1).to(x.dtype) + shift.view(1, -1, 1, 1).to(x.dtype)
+
+    def forward(self, x):
+        if x.dim() != 4:
+            raise ValueError(f'BatchChannelNorm2d expects (N, C, H, W) input, got shape {tuple(x.shape)}')
+        x = self._batch_stage(x)
+        weight, bias = self.weight, self.bias
+        if self.group_affine:
+            # A per-group affine equals a per-channel one with each group's value repeated, which lets
+            # group_norm apply it in the same kernel.
+            per_group = self.num_channels // self.num_groups
+            weight, bias = weight.repeat_interleave(per_group), bias.repeat_interleave(per_group)
+        return F.group_norm(x, self.num_groups, weight, bias, self.eps)
+
+    def reset_parameters(self):
+        # nn.GroupNorm.__init__ calls this before our parameters exist.
+        if hasattr(self, 'batch_weight'):
+            for p, v in ((self.weight, 1.0), (self.bias, 0.0), (self.batch_weight, 1.0), (self.batch_bias, 0.0)):
+                nn.init.constant_(p, v)
+            self.running_mean.zero_()
+            self.running_var.fill_(1.0)
+
+    def extra_repr(self):
+        rate = self.update_rate if self.update_rate is not None else 'lr (BCNRateHook)'
+        s = f'{self.num_channels}, num_groups={self.num_groups}, mode={self.mode!r}, eps={self.eps}'
+        s += f', update_rate={rate}' if self.mode == 'estimate' else f', momentum={self.momentum}'
+        return s + f', sync_stats={self.sync_stats}, group_affine={self.group_affine}'
+
+    @classmethod
+    def convert_norm(cls, module: nn.Module, num_groups: int = 32, **bcn_kwargs) -> nn.Module:
+        """Swap every ``nn.BatchNorm2d`` (incl. SyncBatchNorm) and ``nn.GroupNorm`` in ``module`` (or
+        ``module`` itself) for a BCN, in the style of detectron2's ``convert_frozen_batchnorm``.
+
+        What carries over:
+        * BatchNorm2d -> its running mean/var become BCN's first-stage statistics (the estimates in
+          ``'estimate'`` mode) and its weight/bias become gamma^b/beta^b, so the first stage computes
+          exactly the eval-mode BN; the channel stage starts at identity affine (a GN on top).
+        * GroupNorm -> its weight/bias become the channel stage's (needs ``group_affine=False`` unless
+          they are constant within each group); ``num_groups`` is taken from the GN; the first stage
+          starts as identity (estimates 0 and 1).
+        Returns the converted module (a new object only when ``module`` itself is a norm layer).
+        """
+        new = _to_bcn(cls, module, num_groups, bcn_kwargs)
+        if new is not None:
+            return new
+        for name, child in module.named_children():
+            converted = cls.convert_norm(child, num_groups, **bcn_kwargs)
+            if converted is not child:
+                setattr(module, name, converted)
+        return module
+
+
+def _to_bcn(cls, module, num_groups, bcn_kwargs):
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
+        c = module.num_features
+        bcn = cls(c, num_groups=num_groups, eps=module.eps, **bcn_kwargs)
+        with torch.no_grad():
+            if module.track_running_stats and module.running_mean is not None:
+                bcn.running_mean.copy_(module.running_mean)
+                bcn.running_var.copy_(module.running_var)
+            if module.affine:
+                bcn.batch_weight.copy_(module.weight)
+                bcn.batch_bias.copy_(module.bias)
+    elif type(module) is nn.GroupNorm:
+        bcn = cls(module.num_channels, num_groups=module.num_groups, eps=module.eps, **bcn_kwargs)
+        if module.affine:
+            weight, bias = module.weight.detach(), module.bias.detach()
+            if bcn.group_affine:
+                per_group = weight.view(module.num_groups, -1), bias.view(module.num_groups, -1)
+                if any((t - t[:, :1]).abs().max() > 0 for t in per_group):
+                    raise ValueError('GroupNorm affine varies within a group; convert with group_affine=False '
+                                     'to keep it')
+                weight, bias = per_group[0][:, 0], per_group[1][:, 0]
+            with torch.no_grad():
+                bcn.weight.copy_(weight)
+                bcn.bias.copy_(bias)
+    else:
+        return None
+    tensors = list(module.parameters()) + list(module.buffers())
+    if tensors:
+        bcn.to(tensors[0].device)
+    bcn.train(module.training)
+    return bcn
+
+
+def set_update_rate(module: nn.Module, rate: float) -> int:
+    """Set r on every estimate-mode layer of ``module`` that takes its rate from outside (for training
+    loops without mmengine; call it with the current learning rate before each step). Returns the count."""
+    n = 0
+    for m in module.modules():
+        if getattr(m, 'needs_update_rate', False):
+            m.current_rate = float(rate)
+            n += 1
+    return n

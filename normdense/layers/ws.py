@@ -1,0 +1,116 @@
+"""Weight Standardization (Qiao et al., "Micro-Batch Training with Batch-Channel Normalization and
+Weight Standardization", Sec. 4.1, Eq. 5-7).
+
+Per output channel i, over the I = C_in/groups x kH x kW weights feeding it::
+
+    W_hat[i, j] = (W[i, j] - mu_i) / sigma_i                       (Eq. 5)
+    y = W_hat * x                                                  (Eq. 6)
+    mu_i = mean_j W[i, j],  sigma_i = sqrt(mean_j W[i, j]^2 - mu_i^2 + eps)   (Eq. 7)
+
+No affine: the norm layer that follows provides it. Where eps goes differs between the paper and the
+authors' public code, so it is an explicit choice (``formula``):
+
+``'paper'``         sigma = sqrt(var_biased + eps)          Eq. 7 (the default)
+``'std_unbiased'``  sigma = std_unbiased + eps              the authors' first release and mmcv's ConvWS
+``'var_unbiased'``  sigma = sqrt(var_unbiased + eps)        the code that trained the authors' BCN models
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+WS_FORMULAS = ('paper', 'std_unbiased', 'var_unbiased')
+
+
+def _check_formula(formula):
+    if formula not in WS_FORMULAS:
+        raise ValueError(f'unknown weight standardization formula {formula!r}; choose one of {WS_FORMULAS}')
+
+
+def standardize_weight(weight: torch.Tensor, eps: float = 1e-5, formula: str = 'paper') -> torch.Tensor:
+    """Return the standardized weight of Eq. 5/7, differentiable, computed in at least fp32.
+
+    Half-precision weights (autocast, fp16 training) are standardized in fp32 because the variance of a
+    small fan-in overflows or underflows in fp16; the caller's conv casts the result as usual.
+    """
+    _check_formula(formula)
+    w = weight if weight.dtype in (torch.float32, torch.float64) else weight.float()
+    flat = w.reshape(w.shape[0], -1)
+    if formula == 'paper':
+        # One fused kernel: batch_norm over the (1, out, I) view normalizes each output channel with
+        # its biased variance and eps inside the square root, which is exactly Eq. 7.
+        with torch.autocast(device_type=w.device.type, enabled=False):
+            out = F.batch_norm(flat.unsqueeze(0), None, None, training=True, momentum=0.0, eps=eps)
+        return out.reshape(w.shape)
+    var, mean = torch.var_mean(flat, dim=1, keepdim=True, correction=1)
+    if formula == 'std_unbiased':
+        out = (flat - mean) / (var.sqrt() + eps)
+    else:
+        out = (flat - mean) * torch.rsqrt(var + eps)
+    return out.reshape(w.shape)
+
+
+class WSConv2d(nn.Conv2d):
+    """Conv2d whose weight is standardized per output channel before every convolution (Eq. 5-7).
+
+    A drop-in for ``nn.Conv2d`` (and for mmcv ``conv_cfg=dict(type='WSConv2d')`` in ConvModule,
+    mmdet/mmseg ResNet, FPN and RoI heads). The stored ``weight`` is the raw W that SGD updates; the
+    convolution uses ``standardized_weight()``.
+
+    Args:
+        eps: numerical guard of Eq. 7.
+        formula: where eps goes, see the module docstring (default: the paper's).
+    """
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
+                 bias=True, padding_mode='zeros', eps=1e-5, formula='paper', device=None, dtype=None):
+        _check_formula(formula)
+        super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding,
+                         dilation=dilation, groups=groups, bias=bias, padding_mode=padding_mode,
+                         device=device, dtype=dtype)
+        self.eps = eps
+        self.formula = formula
+
+    def standardized_weight(self) -> torch.Tensor:
+        return standardize_weight(self.weight, self.eps, self.formula)
+
+    def forward(self, x):
+        weight = self.standardized_weight()
+        if weight.dtype != x.dtype and not torch.is_autocast_enabled():
+            weight = weight.to(x.dtype)
+        return self._conv_forward(x, weight, self.bias)
+
+    def extra_repr(self):
+        return super().extra_repr() + f', eps={self.eps}, formula={self.formula!r}'
+
+    @classmethod
+    def convert_conv(cls, module: nn.Module, eps: float = 1e-5, formula: str = 'paper',
+                     exclude=lambda name, conv: False) -> nn.Module:
+        """Swap every plain ``nn.Conv2d`` in ``module`` (or ``module`` itself) for a WSConv2d with the
+        same weights, in the style of detectron2's ``FrozenBatchNorm2d.convert_frozen_batchnorm``.
+
+        The raw weights are copied, so the *effective* kernel becomes their standardized version: the
+        network's function changes unless the weights were already standardized (e.g. trained with WS).
+        ``exclude(name, conv)`` keeps chosen convs plain (the paper leaves RPN head and predictors plain).
+        Returns the converted module (a new object only when ``module`` itself is a Conv2d).
+        """
+        return _convert_convs(cls, module, '', eps, formula, exclude)
+
+
+def _convert_convs(cls, module, name, eps, formula, exclude):
+    if type(module) is nn.Conv2d and not exclude(name, module):
+        new = cls(module.in_channels, module.out_channels, module.kernel_size, stride=module.stride,
+                  padding=module.padding, dilation=module.dilation, groups=module.groups,
+                  bias=module.bias is not None, padding_mode=module.padding_mode, eps=eps, formula=formula,
+                  device=module.weight.device, dtype=module.weight.dtype)
+        with torch.no_grad():
+            new.weight.copy_(module.weight)
+            if module.bias is not None:
+                new.bias.copy_(module.bias)
+        new.train(module.training)
+        return new
+    for child_name, child in module.named_children():
+        full = f'{name}.{child_name}' if name else child_name
+        new_child = _convert_convs(cls, child, full, eps, formula, exclude)
+        if new_child is not child:
+            setattr(module, child_name, new_child)
+    return module

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Installs normdense and its pinned OpenMMLab stack into a virtualenv. Idempotent: finished steps are
+# detected and skipped, so `make test` / `make demo` can call it every time.
+#   VENV=path     virtualenv to use (default .venv)
+#   PYTHON=exe    interpreter that creates it (default python3)
+#   FORCE=1       re-run every step even if the install stamp matches
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+PY="$VENV/bin/python"
+PIP=("$PY" -m pip install -c requirements/constraints.txt)
+STAMP="$VENV/.normdense-install-stamp"
+STEP="start"
+HINT=""
+
+step() { STEP="$1"; HINT="$2"; echo; echo "==> [install] $1"; }
+fail() {
+  echo >&2
+  echo "!! make install failed during step: $STEP" >&2
+  [ -n "$HINT" ] && echo "!! what to do: $HINT" >&2
+  echo "!! re-run 'make install' after fixing it; finished steps are skipped." >&2
+}
+trap fail ERR
+
+stamp_key() { cat requirements/*.txt setup.py scripts/install.sh | sha256sum | cut -d' ' -f1; }
+
+if [ -z "${FORCE:-}" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(stamp_key)" ]; then
+  echo "==> [install] $VENV is up to date (FORCE=1 make install to redo every step)"
+  exit 0
+fi
+
+echo "==> [install] installing normdense into $VENV"
+echo "    NOTE: the first install builds mmcv 2.1.0 from source with its compiled ops:"
+echo "    about 15 minutes on 2 CPU cores. pip caches the wheel, so later installs are fast."
+
+step "create virtualenv $VENV" "check that '$PYTHON -m venv' works (Debian: apt-get install python3-venv)"
+if [ ! -x "$PY" ]; then "$PYTHON" -m venv "$VENV"; else echo "    exists"; fi
+
+step "torch and torchvision (requirements/torch.txt)" "the pinned torch/torchvision wheels must be reachable from PyPI"
+if "$PY" -c "import torch, torchvision, sys; sys.exit(not (torch.__version__.split('+')[0]=='2.12.1' and torchvision.__version__.split('+')[0]=='0.27.1'))" 2>/dev/null; then
+  echo "    torch 2.12.1 / torchvision 0.27.1 already installed"
+else
+  "${PIP[@]}" -r requirements/torch.txt
+fi
+
+step "build tools for mmcv (requirements/build.txt)" "pip must reach PyPI for setuptools<81, wheel and ninja"
+"${PIP[@]}" -q -r requirements/build.txt
+
+mmcv_ok() { "$PY" -c "import mmcv, mmcv.ops, sys; sys.exit(mmcv.__version__!='2.1.0')" 2>/dev/null; }
+step "mmcv 2.1.0 with compiled ops (source build, ~15 min the first time)" \
+     "needs gcc/g++ and the Python headers; a build error mentioning C++20 means torch is newer than 2.13"
+if mmcv_ok; then
+  echo "    mmcv 2.1.0 with ops already installed"
+else
+  MMCV_WITH_OPS=1 MAX_JOBS="${MAX_JOBS:-$(nproc)}" "${PIP[@]}" --no-build-isolation mmcv==2.1.0
+  if ! mmcv_ok; then
+    # pip's wheel cache ignores the torch version: a wheel built against another torch fails with
+    # undefined symbols in mmcv._ext. Rebuild it without the cache.
+    echo "    cached mmcv wheel does not load against this torch: rebuilding without pip's cache"
+    "$PY" -m pip cache remove mmcv || true
+    MMCV_WITH_OPS=1 MAX_JOBS="${MAX_JOBS:-$(nproc)}" "${PIP[@]}" --no-build-isolation --no-cache-dir \
+      --force-reinstall --no-deps mmcv==2.1.0
+    mmcv_ok
+  fi
+fi
+
+step "OpenMMLab stack (requirements/runtime.txt)" "pip must reach PyPI; see the pip error above"
+"${PIP[@]}" -r requirements/runtime.txt
+
+step "test tools (requirements/tests.txt)" "pip must reach PyPI"
+"${PIP[@]}" -q -r requirements/tests.txt
+
+step "normdense (editable)" "setup.py must be importable; see the error above"
+"${PIP[@]}" -q --no-build-isolation --no-deps -e .
+
+step "self-check" "an import failed: FORCE=1 make install; if mmcv._ext has undefined symbols, 'pip cache remove mmcv' first"
+"$PY" -m normdense.self_check
+
+stamp_key > "$STAMP"
+echo
+echo "==> [install] done: activate with 'source $VENV/bin/activate'"
