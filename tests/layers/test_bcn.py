@@ -119,6 +119,13 @@ def test_missing_rate_fails_loudly_in_training():
         bcn.train()(torch.randn(1, 4, 2, 2))
 
 
+def test_layer_called_twice_before_backward():
+    bcn = BatchChannelNorm2d(4, num_groups=2, update_rate=0.5)
+    x1, x2 = torch.randn(1, 4, 3, 3, requires_grad=True), torch.randn(1, 4, 2, 2, requires_grad=True)
+    (bcn(x1).sum() + bcn(x2).pow(2).sum()).backward()
+    assert x1.grad is not None and x2.grad is not None
+
+
 def test_batch_size_one_with_1x1_map():
     bcn = BatchChannelNorm2d(64, num_groups=32, update_rate=0.02)
     y = bcn.train()(torch.randn(1, 64, 1, 1))
@@ -170,7 +177,7 @@ def test_norm_decay_mult_exempts_all_bcn_parameters():
 
 def test_norm_eval_does_not_half_freeze_bcn():
     from mmdet.models.backbones import ResNet
-    net = ResNet(18, num_stages=1, out_indices=(0,), norm_cfg=dict(type='BCN', num_groups=8, update_rate=0.5),
+    net = ResNet(18, num_stages=1, strides=(1,), dilations=(1,), out_indices=(0,), norm_cfg=dict(type='BCN', num_groups=8, update_rate=0.5),
                  norm_eval=True)
     net.train()
     bcns = [m for m in net.modules() if isinstance(m, BatchChannelNorm2d)]
