@@ -5,7 +5,11 @@ mmseg's and mmpretrain's child registries all resolve through mmengine's root ``
 registration here makes a layer selectable from any of their configs. Names already taken there
 (mmcv's ``ConvWS``, ``GN``, ...) raise ``KeyError``, so ours are new.
 """
-from mmengine.registry import HOOKS, MODELS  # noqa: F401
+from mmengine.registry import HOOKS, MODELS, WEIGHT_INITIALIZERS  # noqa: F401
+
+from .convert.pretrained_init import PretrainedBackbone  # noqa: E402
+
+WEIGHT_INITIALIZERS.register_module(name='PretrainedBackbone', module=PretrainedBackbone)
 
 # --- Weight Standardization and Batch-Channel Normalization (WS/BCN paper) -------------------------
 from .hooks.bcn_rate import BCNRateHook  # noqa: E402
@@ -15,3 +19,26 @@ from .layers.ws import WSConv2d  # noqa: E402
 MODELS.register_module(name='WSConv2d', module=WSConv2d)
 MODELS.register_module(name='BCN', module=BatchChannelNorm2d)
 HOOKS.register_module(name='BCNRateHook', module=BCNRateHook)
+
+# --- Unitization, EquiNorm and the diagnostics hook (Unitization / EquiNorm papers) ----------------
+from .hooks.diagnostics import NormDiagnosticsHook  # noqa: E402
+from .layers.equinorm import ChannelAffine, EquiConv2d  # noqa: E402
+from .layers.unitization import Unitization2d  # noqa: E402
+
+MODELS.register_module(name='Unitization', module=Unitization2d)
+MODELS.register_module(name='EquiConv2d', module=EquiConv2d)
+MODELS.register_module(name='ChannelAffine', module=ChannelAffine)
+HOOKS.register_module(name='NormDiagnosticsHook', module=NormDiagnosticsHook)
+
+# --- Proxy Normalization and IterNorm (PN / IterNorm papers) ---------------------------------------
+# PNResNet subclasses mmseg's ResNet (superset of mmdet's arguments), so this imports mmseg.
+from .hooks.proxy_norm_check import ProxyNormCheckHook  # noqa: E402
+from .layers.iternorm import IterNorm  # noqa: E402
+from .layers.proxy_norm import GroupProxyNorm  # noqa: E402
+from .models.backbones.pn_resnet import PNResNet, PNResNetV1c  # noqa: E402
+
+MODELS.register_module(name='GNPN', module=GroupProxyNorm)
+MODELS.register_module(name='IterNorm', module=IterNorm)
+MODELS.register_module(name='PNResNet', module=PNResNet)
+MODELS.register_module(name='PNResNetV1c', module=PNResNetV1c)
+HOOKS.register_module(name='ProxyNormCheckHook', module=ProxyNormCheckHook)

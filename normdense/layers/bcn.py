@@ -61,17 +61,21 @@ def update_estimates_(x: torch.Tensor, running_mean: torch.Tensor, running_var: 
     """
     with torch.no_grad():
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        dims = [d for d in range(xf.dim()) if d != 1]
-        count = xf.numel() // xf.shape[1]
-        var_b, mean_b = torch.var_mean(xf, dim=dims, correction=0)
+        channels = xf.shape[1]
+        count = xf.numel() // channels
         mu_hat = running_mean.to(xf.dtype)
-        second = var_b + (mean_b - mu_hat) ** 2  # mean of (x - mu_hat)^2
+        if count:
+            var_b, mean_b = torch.var_mean(xf, dim=[d for d in range(xf.dim()) if d != 1], correction=0)
+            second = var_b + (mean_b - mu_hat) ** 2  # mean of (x - mu_hat)^2
+        else:  # e.g. a RoI head that got no RoIs: contributes nothing (but still joins the all-reduce)
+            mean_b = second = xf.new_zeros(channels)
+        sums = torch.cat([mean_b * count, second * count, xf.new_tensor([count])])
         if sync and _world_size() > 1:
-            packed = torch.cat([mean_b * count, second * count, mean_b.new_tensor([count])])
-            dist.all_reduce(packed)
-            total = packed[-1]
-            mean_b, second = packed[:-1].chunk(2)
-            mean_b, second = mean_b / total, second / total
+            dist.all_reduce(sums)
+        total = sums[-1]
+        if total == 0:
+            return
+        mean_b, second = sums[:channels] / total, sums[channels:2 * channels] / total
         running_mean.add_(rate * (mean_b - mu_hat).to(running_mean.dtype))
         running_var.add_(rate * (second - running_var.to(xf.dtype)).to(running_var.dtype))
 
@@ -157,13 +161,17 @@ class BatchChannelNorm2d(nn.GroupNorm):
         if self.mode == 'estimate':
             if self.training:
                 update_estimates_(x, self.running_mean, self.running_var, self._rate(), self.sync_stats)
-            mean, var = self.running_mean, self.running_var
+            # Copies: the graph must not hold the buffers that the next forward updates in place (a layer
+            # shared across calls, e.g. a head applied per level, forwards twice before backward).
+            mean, var = self.running_mean.clone(), self.running_var.clone()
         elif self.training and self.sync_stats and _world_size() > 1:
             mean, var, count = _synced_batch_moments(x)
             with torch.no_grad():
                 unbiased = var * count / (count - 1).clamp(min=1)
                 self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), self.momentum)
                 self.running_var.lerp_(unbiased.detach().to(self.running_var.dtype), self.momentum)
+        elif x.numel() == 0:  # no samples (e.g. zero RoIs): nothing to normalize or to track
+            mean, var = self.running_mean, self.running_var
         else:
             return F.batch_norm(x, self.running_mean, self.running_var, self.batch_weight, self.batch_bias,
                                 self.training, self.momentum, self.eps)

@@ -220,3 +220,12 @@ def model_gn_with_varying_affine():
     with torch.no_grad():
         gn.weight.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
     return gn
+
+
+@pytest.mark.parametrize('mode', ['estimate', 'batch'])
+def test_empty_input_leaves_statistics_untouched(mode):
+    # mmdet's RoI heads can see zero RoIs: the estimates must not become NaN
+    bcn = BatchChannelNorm2d(8, num_groups=4, mode=mode, **({'update_rate': 0.5} if mode == 'estimate' else {}))
+    y = bcn.train()(torch.zeros(0, 8, 7, 7))
+    assert y.shape == (0, 8, 7, 7)
+    assert torch.equal(bcn.running_mean, torch.zeros(8)) and torch.equal(bcn.running_var, torch.ones(8))

@@ -1,0 +1,65 @@
+# `make demo`: the BCN+WS Mask R-CNN recipe of configs/mask_rcnn_r50_fpn_bcn_ws.py shrunk to run on
+# 2 CPU cores in minutes: ResNet-18 trained from scratch, 128-channel FPN and heads, 160x160 toy COCO
+# images (tools/make_toy_coco.py), 2 images per batch, iteration-based schedule.
+# What stays the same: WS convs + estimate-mode BCN(32 groups) in backbone, FPN, 4conv1fc box head and
+# mask head; BCNRateHook (r = lr); mmdet's CocoMetric for bbox/segm AP.
+_base_ = '../mask_rcnn/mask-rcnn_r50_fpn_bcn-ws_2x_coco.py'
+
+data_root = 'data/toy_coco/'
+classes = ('circle', 'rectangle', 'ring', 'star', 'triangle')
+width = 128
+max_iters = 1000
+
+model = dict(
+    backbone=dict(depth=18, frozen_stages=-1, init_cfg=None),
+    neck=dict(in_channels=[64, 128, 256, 512], out_channels=width),
+    rpn_head=dict(in_channels=width, feat_channels=width),
+    roi_head=dict(
+        bbox_roi_extractor=dict(out_channels=width),
+        bbox_head=dict(in_channels=width, conv_out_channels=width, fc_out_channels=2 * width,
+                       num_classes=len(classes)),
+        mask_roi_extractor=dict(out_channels=width),
+        mask_head=dict(in_channels=width, conv_out_channels=width, num_classes=len(classes))),
+    train_cfg=dict(
+        rpn_proposal=dict(nms_pre=1000, max_per_img=500),
+        rcnn=dict(sampler=dict(num=128))),
+    test_cfg=dict(rpn=dict(nms_pre=500, max_per_img=300)))
+
+train_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='LoadAnnotations', with_bbox=True, with_mask=True),
+    dict(type='Resize', scale=(160, 160), keep_ratio=True),
+    dict(type='RandomFlip', prob=0.5),
+    dict(type='PackDetInputs')
+]
+test_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='Resize', scale=(160, 160), keep_ratio=True),
+    dict(type='LoadAnnotations', with_bbox=True, with_mask=True),
+    dict(type='PackDetInputs', meta_keys=('img_id', 'img_path', 'ori_shape', 'img_shape', 'scale_factor'))
+]
+train_dataloader = dict(
+    batch_size=2, num_workers=0, persistent_workers=False,
+    sampler=dict(type='InfiniteSampler', shuffle=True),
+    batch_sampler=None,
+    dataset=dict(data_root=data_root, metainfo=dict(classes=classes), ann_file='annotations/instances_train.json',
+                 data_prefix=dict(img='train/'), pipeline=train_pipeline))
+val_dataloader = dict(
+    batch_size=1, num_workers=0, persistent_workers=False,
+    dataset=dict(data_root=data_root, metainfo=dict(classes=classes), ann_file='annotations/instances_val.json',
+                 data_prefix=dict(img='val/'), pipeline=test_pipeline))
+test_dataloader = val_dataloader
+val_evaluator = dict(ann_file=data_root + 'annotations/instances_val.json')
+test_evaluator = val_evaluator
+
+train_cfg = dict(_delete_=True, type='IterBasedTrainLoop', max_iters=max_iters, val_interval=max_iters)
+param_scheduler = [
+    dict(type='LinearLR', start_factor=0.01, by_epoch=False, begin=0, end=100),
+    dict(type='MultiStepLR', by_epoch=False, begin=0, end=max_iters, milestones=[750, 900], gamma=0.1)
+]
+optim_wrapper = dict(optimizer=dict(lr=0.02))
+default_hooks = dict(
+    checkpoint=dict(type='CheckpointHook', by_epoch=False, interval=max_iters, max_keep_ckpts=1),
+    logger=dict(type='LoggerHook', interval=50))
+log_processor = dict(by_epoch=False)
+randomness = dict(seed=0)

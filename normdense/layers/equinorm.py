@@ -1,0 +1,233 @@
+"""Equilibrium Normalization (EquiNorm; "Controlling Covariate Shift using Equilibrium Normalization of
+Weights", ICLR 2019 submission, Sec. 4 "Full case" and "Single pass formulation", Sec. 5.2).
+
+EquiNorm normalizes a convolution's *weights* with batch statistics of its *input*. With v_c the sum of
+the input over batch and positions of input channel c, wbar_dc = sum_jk w_dcjk and
+r = batch * H_out * W_out * stride^2 (Sec. 4.1)::
+
+    b_d   = - sum_c v_c wbar_dc / (kh * kw * sum_c v_c)        output mean zero (first constraint)
+    s_d   = r / sum_c v_c w'+_dc                                positive contribution = r (second constraint)
+    w''   = s_d (w_dcjk + b_d)                                  differentiated through (incl. v)
+
+two-pass:    w'+_dc = sum_jk (w_dcjk + b_d) [w_dcjk + b_d > 0]
+single pass: w'+_dc ~ w+_dc + b_d n+_dc, with w+_dc = sum_jk w_dcjk [w_dcjk > 0], n+_dc = #{w_dcjk > 0}
+             (assumes the sign of each weight does not change by adding b_d; the paper uses this in all
+             its experiments, so it is our default).
+
+Under stride 1 and cyclic padding every weight multiplies every input element of its channel, so the
+output then sums to 0 and the positive weights' total contribution is exactly r ("average 1 per output
+element"); zero padding and strides break this only at the edges / by subsampling (Sec. 5.2). The paper
+assumes non-negative inputs (post-ReLU, Sec. 5.2) and recommends dropping the input pre-normalization
+in front of the first EquiNorm conv. A channel-affine (``ChannelAffine``) follows the conv (Sec. 4).
+
+Implementation choices:
+
+* Both b and s are invariant to rescaling v together with r, so we work with the per-channel input
+  *mean* m_c = v_c / (B H_in W_in) and rho = r / (B H_in W_in) = H_out W_out stride^2 / (H_in W_in).
+  The running statistic kept for eval (Sec. 4.1: "a running estimate of the data statistics (v_c)") is
+  therefore the running mean of m_c (``running_input_mean``, init 1, updated with ``momentum``), which
+  unlike a running sum does not depend on the batch size or image size; at eval v_c = m_c B H_in W_in
+  for the current input, i.e. r is taken from the eval-time shapes as in training.
+* Grouped convs: each output channel only sees the input channels of its group, so the sums over c run
+  over that group.
+* ``eps`` (ours, not the paper's) keeps the two denominators away from zero (|den| >= eps, sign kept);
+  with the paper's assumptions they are far from zero and the guard never acts.
+* Kernels start balanced (Sec. 5.2): any output channel whose weights all share one sign gets its
+  signs resampled, at construction and again in ``init_weights`` (mmengine calls it after applying
+  the parent's ``init_cfg``, which would otherwise re-draw the weights).
+"""
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.modules.utils import _pair
+
+
+def balance_weight_signs_(weight: torch.Tensor, generator: Optional[torch.Generator] = None) -> int:
+    """Resample the signs of every output channel's kernel that lacks a positive or a negative entry
+    (EquiNorm assumption 4, Sec. 5.2: "resampling any such kernel-weight's signs"), keeping magnitudes.
+    In place; returns the number of output channels changed. Needs >= 2 weights per output channel."""
+    with torch.no_grad():
+        flat = weight.detach().view(weight.shape[0], -1)
+        if flat.shape[1] < 2:
+            return 0
+
+        def unbalanced():
+            return (~((flat > 0).any(1) & (flat < 0).any(1))).nonzero().flatten()
+
+        bad = unbalanced()
+        changed = bad.numel()
+        # Exact zeros have no sign: give them the channel's typical magnitude first.
+        for d in bad.tolist():
+            row = flat[d]
+            zero = row == 0
+            if zero.any():
+                row[zero] = row.abs().max().clamp(min=1e-3)
+        while bad.numel():
+            signs = torch.randint(0, 2, (bad.numel(), flat.shape[1]), generator=generator).to(flat) * 2 - 1
+            flat[bad] = flat[bad].abs() * signs
+            bad = unbalanced()
+    return changed
+
+
+def _safe_denominator(den: torch.Tensor, eps: float) -> torch.Tensor:
+    if eps <= 0:
+        return den
+    sign = torch.where(den >= 0, torch.ones_like(den), -torch.ones_like(den))
+    return torch.where(den.abs() < eps, sign * eps, den)
+
+
+def equinorm_weight(weight: torch.Tensor, input_mean: torch.Tensor, rho: float, groups: int = 1,
+                    single_pass: bool = True, eps: float = 0.0) -> torch.Tensor:
+    """The normalized kernel w'' = s (w + b) of Sec. 4.1 (see module docstring).
+
+    Args:
+        weight: (C_out, C_in / groups, kh, kw).
+        input_mean: (C_in,) per-channel input mean m_c (v_c up to a common factor).
+        rho: r divided by the same factor (r / (B H_in W_in) when m is the mean).
+    """
+    c_out, c_in_g, kh, kw = weight.shape
+    m = input_mean.to(weight.dtype).view(groups, c_in_g)
+    m = m.repeat_interleave(c_out // groups, dim=0)                     # (C_out, C_in/g): channels of d's group
+    wbar = weight.sum((2, 3))                                            # wbar_dc
+    b = -(m * wbar).sum(1) / _safe_denominator(kh * kw * m.sum(1), eps)  # b_d: output mean zero
+    if single_pass:
+        pos = weight > 0
+        w_pos = (weight * pos).sum((2, 3))                               # w+_dc
+        n_pos = pos.sum((2, 3)).to(weight.dtype)                         # n+_dc
+        contrib = (m * (w_pos + b[:, None] * n_pos)).sum(1)
+    else:
+        shifted = weight + b.view(-1, 1, 1, 1)
+        contrib = (m * F.relu(shifted).sum((2, 3))).sum(1)               # sum_c v_c w'+_dc
+    s = rho / _safe_denominator(contrib, eps)
+    return s.view(-1, 1, 1, 1) * (weight + b.view(-1, 1, 1, 1))
+
+
+class EquiConv2d(nn.Conv2d):
+    """``nn.Conv2d`` whose kernel is equilibrium-normalized per forward (Sec. 4.1; module docstring).
+
+    Extra keyword args (the rest are ``nn.Conv2d``'s, so mmcv's ``build_conv_layer`` and ``ConvModule``
+    work unchanged):
+        momentum: update factor of the running per-channel input mean used in eval.
+        single_pass: the single-pass s of Sec. 4 (default, as in the paper's experiments) or the exact
+            two-pass one.
+        eps: denominator guard (ours; see module docstring).
+        balance_init: resample the signs of one-signed kernels at init (Sec. 5.2).
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
+                 groups: int = 1, bias: bool = True, padding_mode: str = 'zeros', device=None, dtype=None, *,
+                 momentum: float = 0.1, single_pass: bool = True, eps: float = 1e-8,
+                 balance_init: bool = True):
+        if not 0.0 <= momentum <= 1.0:
+            raise ValueError(f'EquiConv2d momentum must lie in [0, 1], got {momentum!r}')
+        if eps < 0:
+            raise ValueError(f'EquiConv2d eps must be >= 0, got {eps!r}')
+        kh, kw = _pair(kernel_size)
+        if (in_channels // groups) * kh * kw < 2:
+            raise ValueError(
+                'EquiConv2d needs at least 2 weights per output channel (one positive and one negative, '
+                f'Sec. 3 assumption 4); got in_channels/groups={in_channels // groups}, kernel {kh}x{kw}')
+        self.balance_init = balance_init
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                         padding_mode, device=device, dtype=dtype)
+        self.momentum = momentum
+        self.single_pass = single_pass
+        self.eps = eps
+        self.register_buffer('running_input_mean', torch.ones(in_channels, device=device))
+        self._input_sign_checked = False
+        self.register_buffer('num_batches_tracked', torch.tensor(0, dtype=torch.long, device=device))
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if getattr(self, 'balance_init', True):
+            balance_weight_signs_(self.weight)
+
+    def init_weights(self) -> None:
+        """Called by mmengine's ``BaseModule.init_weights`` after the parent's init_cfg re-drew the
+        weights: keep them, but restore the balanced-sign property."""
+        if self.balance_init:
+            balance_weight_signs_(self.weight)
+
+    def _output_hw(self, h: int, w: int):
+        if isinstance(self.padding, str):
+            if self.padding == 'same':
+                return h, w
+            pad = (0, 0)
+        else:
+            pad = self.padding
+        out = []
+        for size, p, d, k, s in zip((h, w), pad, self.dilation, self.kernel_size, self.stride):
+            out.append((size + 2 * p - d * (k - 1) - 1) // s + 1)
+        return tuple(out)
+
+    def rho(self, h_in: int, w_in: int) -> float:
+        """r / (B H_in W_in) with r = B H_out W_out stride^2 (Sec. 4.1)."""
+        h_out, w_out = self._output_hw(h_in, w_in)
+        return h_out * w_out * self.stride[0] * self.stride[1] / float(h_in * w_in)
+
+    def normalized_weight(self, input_mean: torch.Tensor, h_in: int, w_in: int) -> torch.Tensor:
+        return equinorm_weight(self.weight, input_mean, self.rho(h_in, w_in), self.groups, self.single_pass,
+                               self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4:
+            raise ValueError(f'EquiConv2d expects (N, C, H, W) input, got shape {tuple(x.shape)}')
+        if self.training and x.numel() > 0:  # an empty batch (zero RoIs) has no statistics: use the running ones
+            mean = x.mean((0, 2, 3))  # m_c = v_c / (B H W), differentiated through like BN's batch mean
+            if not self._input_sign_checked:
+                # Once only (it syncs): the method's formulas assume non-negative inputs (Sec. 3, 5.2).
+                # A zero-mean input (e.g. right after another EquiConv2d without a ReLU) makes
+                # sum_c v_c ~ 0 and b, s explode.
+                self._input_sign_checked = True
+                if bool((mean.detach() < 0).any()):
+                    warnings.warn('EquiConv2d got input channels with negative mean; EquiNorm assumes '
+                                  'non-negative (post-ReLU) inputs and is ill-conditioned otherwise '
+                                  '(see docs/unitization_equinorm.md)')
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                self.running_input_mean.lerp_(mean.detach().to(self.running_input_mean.dtype), self.momentum)
+        else:
+            mean = self.running_input_mean
+        w = self.normalized_weight(mean, x.shape[2], x.shape[3]).to(x.dtype)
+        return self._conv_forward(x, w, self.bias)
+
+    def extra_repr(self) -> str:
+        return (super().extra_repr() + f', momentum={self.momentum}, single_pass={self.single_pass}, '
+                f'eps={self.eps}')
+
+
+class ChannelAffine(nn.Module):
+    """Per-channel affine y = gamma_c x + beta_c: the affine that follows an EquiNorm conv (Sec. 4), as a
+    norm layer so it plugs into mmcv's ``norm_cfg`` slot (``dict(type='ChannelAffine')``).
+
+    ``eps`` is accepted (mmcv's ``build_norm_layer`` always passes it) and unused.
+    """
+    _abbr_ = 'ca'
+
+    def __init__(self, num_features: int, eps: float = 1e-5, affine: bool = True):
+        super().__init__()
+        if not isinstance(num_features, int) or num_features <= 0:
+            raise ValueError(f'ChannelAffine num_features must be a positive int, got {num_features!r}')
+        if not affine:
+            raise ValueError('ChannelAffine with affine=False would be an identity; drop the norm layer instead')
+        self.num_features = num_features
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(num_features))
+        self.bias = nn.Parameter(torch.zeros(num_features))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2 or x.shape[1] != self.num_features:
+            raise ValueError(f'ChannelAffine({self.num_features}) expects (N, {self.num_features}, ...) input, '
+                             f'got shape {tuple(x.shape)}')
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        return x * self.weight.view(shape).to(x.dtype) + self.bias.view(shape).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f'{self.num_features}'

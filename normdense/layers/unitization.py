@@ -1,0 +1,186 @@
+"""Unitization (Huang et al., "An Internal Covariate Shift Bounding Algorithm for Deep Neural Networks by
+Unitizing Layers' Outputs", CVPR 2020; Algorithm 1-2, Eq. 16).
+
+Two stages, for an input X of shape (N, C, *spatial):
+
+1. Batch standardization per channel, without affine (Algorithm 2, line 5; Algorithm 1, lines 1-4)::
+
+       x_hat[k, i, j] = (x[k, i, j] - mu_i) / sqrt(sigma2_i + eps)
+
+2. Per-sample partial unitization (Eq. 16 with the conv-layer norm of Algorithm 2, lines 9-14)::
+
+       s_k      = sum_{i, j} x_hat[k, i, j]^2 / n          (all channels and positions of sample k)
+       p_k      = 1 / sqrt(s_k + eps)
+       x_bar    = (p_k * alpha_i + 1 - alpha_i) * x_hat[k, i, j]
+       y        = gamma_i * x_bar + beta_i
+
+   alpha is trainable per channel and initialised at 0 (Sec. 4.2), so a fresh layer equals BN exactly.
+   ``n`` defaults to H*W (the number of positions of the current input, Sec. 3.6: "the norm is divided by
+   a constant related to the number of the pixels"); a fixed ``n`` keeps the divisor constant across
+   image sizes, which the paper does for its multi-scale ImageNet testing (Sec. 4.3). For (N, C) input
+   n defaults to 1 and stage 2 is exactly Algorithm 1 (p = 1/sqrt(||x_hat||^2 + eps)). The text of
+   line 9 is garbled in our copy of the paper ("s <- s/(nHW)"); we follow the prose, which makes n the
+   whole divisor with default HW.
+
+Statistics of stage 1:
+
+* ``mode='batch'`` (the paper): batch mean/biased variance in training, running statistics (updated
+  with ``momentum``, unbiased variance, as ``nn.BatchNorm``) in eval.
+* ``mode='estimate'`` (OUR extension, not in the paper): stage 1 normalizes with BCN-style estimates
+  mu_hat, sigma_hat^2 (init 0 and 1, Algorithm 1 of the WS/BCN paper) that the loss does not train. Each
+  training forward first moves them with rate r (``normdense.layers.bcn.update_estimates_``), then
+  normalizes with them; eval uses them unchanged. This removes the batch dependence of stage 1 so the
+  layer trains at batch size 1 on 1x1 maps (stage 2 is per sample anyway). r comes from ``BCNRateHook``
+  (the optimizer's current lr, as BCN) or a fixed ``update_rate``; a training forward with neither
+  raises ``RuntimeError``. The estimates live in the ``running_mean``/``running_var`` buffers.
+"""
+import numbers
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .bcn import update_estimates_
+
+UNITIZATION_MODES = ('batch', 'estimate')
+
+
+class Unitization2d(nn.Module):
+    """Unitization layer (Algorithm 2); see the module docstring.
+
+    Args:
+        num_features: channels C (positional, as mmcv's ``build_norm_layer`` passes it).
+        eps: epsilon of both the standardization (Algorithm 1 line 4) and p (line 5 / Eq. 16).
+        momentum: running-statistics momentum of ``'batch'`` mode (``None``: cumulative average).
+        affine: learn gamma and beta (line 14). alpha is always learned.
+        n: divisor of the per-sample squared norm (Algorithm 2 line 9). ``None`` (default) uses the
+            number of spatial positions of the current input (H*W); a positive number fixes it.
+        mode: ``'batch'`` (the paper) or ``'estimate'`` (BCN-style running estimates; our extension).
+        update_rate: fixed r for ``'estimate'`` mode; ``None`` takes it from ``BCNRateHook``.
+        sync_stats: all-reduce the estimate update across processes (estimate mode only), as BCN does.
+    """
+    _abbr_ = 'un'
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
+                 affine: bool = True, n: Optional[float] = None, mode: str = 'batch',
+                 update_rate: Optional[float] = None, sync_stats: bool = True):
+        super().__init__()
+        if not isinstance(num_features, int) or num_features <= 0:
+            raise ValueError(f'Unitization num_features must be a positive int, got {num_features!r}')
+        if mode not in UNITIZATION_MODES:
+            raise ValueError(f'Unitization mode must be one of {UNITIZATION_MODES}, got {mode!r}')
+        if n is not None and (isinstance(n, bool) or not isinstance(n, numbers.Real) or not n > 0):
+            raise ValueError(f'Unitization n must be None (= H*W) or a positive number, got {n!r}')
+        if not eps > 0:
+            raise ValueError(f'Unitization eps must be positive, got {eps!r}')
+        if momentum is not None and not 0.0 <= momentum <= 1.0:
+            raise ValueError(f'Unitization momentum must lie in [0, 1] or be None, got {momentum!r}')
+        if update_rate is not None and mode != 'estimate':
+            raise ValueError("Unitization update_rate only applies to mode='estimate'")
+        if update_rate is not None and not 0.0 <= update_rate <= 1.0:
+            raise ValueError(f'Unitization update_rate must lie in [0, 1], got {update_rate!r}')
+        self.num_features = num_features
+        self.eps = float(eps)
+        self.momentum = momentum
+        self.affine = affine
+        self.n = None if n is None else float(n)
+        self.mode = mode
+        self.update_rate = update_rate
+        self.sync_stats = sync_stats
+        self.current_rate: Optional[float] = None  # set by BCNRateHook / bcn.set_update_rate
+        self.alpha = nn.Parameter(torch.zeros(num_features))
+        if affine:
+            self.weight = nn.Parameter(torch.ones(num_features))
+            self.bias = nn.Parameter(torch.zeros(num_features))
+        else:
+            self.register_parameter('weight', None)
+            self.register_parameter('bias', None)
+        # 'batch': eval statistics. 'estimate': the estimates mu_hat, sigma_hat^2 themselves.
+        self.register_buffer('running_mean', torch.zeros(num_features))
+        self.register_buffer('running_var', torch.ones(num_features))
+        self.register_buffer('num_batches_tracked', torch.tensor(0, dtype=torch.long))
+
+    # --- rate plumbing, same convention as BatchChannelNorm2d (read by BCNRateHook) ---
+    @property
+    def needs_update_rate(self) -> bool:
+        return self.mode == 'estimate' and self.update_rate is None
+
+    def _rate(self) -> float:
+        if self.update_rate is not None:
+            return self.update_rate
+        if self.current_rate is None:
+            raise RuntimeError(
+                "Unitization2d(mode='estimate') is training but has no update rate r, so its estimates "
+                "would never move. Add custom_hooks=[dict(type='BCNRateHook')] to the config (r = the "
+                "optimizer's current learning rate), call normdense.layers.bcn.set_update_rate(model, lr) "
+                "each iteration, or set a fixed norm_cfg update_rate=...")
+        return self.current_rate
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.alpha)
+        if self.affine:
+            nn.init.ones_(self.weight)
+            nn.init.zeros_(self.bias)
+        self.running_mean.zero_()
+        self.running_var.fill_(1.0)
+        self.num_batches_tracked.zero_()
+
+    def _stage1_stats(self, x: torch.Tensor):
+        """Mean and variance that standardize x (Algorithm 2 line 5), updating buffers in training."""
+        dims = [d for d in range(x.dim()) if d != 1]
+        if self.mode == 'estimate':
+            if self.training:
+                update_estimates_(x, self.running_mean, self.running_var, self._rate(), self.sync_stats)
+                self.num_batches_tracked.add_(1)
+            # Constants for autograd: the estimates are not trained by the loss (WS/BCN Algorithm 1).
+            return self.running_mean.to(x.dtype), self.running_var.to(x.dtype)
+        if not self.training:
+            return self.running_mean.to(x.dtype), self.running_var.to(x.dtype)
+        count = x.numel() // x.shape[1]
+        if count < 2:
+            raise ValueError(
+                f"Unitization2d(mode='batch') needs more than 1 value per channel in training to take batch "
+                f"statistics, got input of shape {tuple(x.shape)}; use mode='estimate' for batch size 1 "
+                f"on 1x1 maps")
+        var, mean = torch.var_mean(x, dim=dims, correction=0)
+        with torch.no_grad():
+            self.num_batches_tracked.add_(1)
+            m = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+            self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), m)
+            unbiased = var.detach() * (count / (count - 1))
+            self.running_var.lerp_(unbiased.to(self.running_var.dtype), m)
+        return mean, var
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2 or x.shape[1] != self.num_features:
+            raise ValueError(f'Unitization2d({self.num_features}) expects (N, {self.num_features}, ...) input, '
+                             f'got shape {tuple(x.shape)}')
+        if x.numel() == 0:
+            # mmdet's RoI heads can see zero RoIs: no statistics to take (they would be NaN and poison
+            # the running buffers); keep the parameters in the graph for DDP.
+            return x * 0 + sum(p.sum() for p in self.parameters()) * 0
+        in_dtype = x.dtype
+        if in_dtype in (torch.float16, torch.bfloat16):
+            x = x.float()  # squared sums over C*H*W overflow fp16
+        mean, var = self._stage1_stats(x)
+        bshape = (1, -1) + (1,) * (x.dim() - 2)
+        x_hat = (x - mean.view(bshape)) * torch.rsqrt(var.view(bshape) + self.eps)
+        n = self.n if self.n is not None else float(x[0, 0].numel())
+        s = x_hat.pow(2).flatten(1).sum(1) / n                                  # (N,)
+        p = torch.rsqrt(s + self.eps)
+        alpha = self.alpha.to(x.dtype)
+        scale = p[:, None] * alpha[None, :] + (1.0 - alpha)[None, :]          # (N, C)
+        if self.affine:
+            # gamma * (scale * x_hat) + beta with the per-sample, per-channel factors fused.
+            scale = scale * self.weight.to(x.dtype)[None, :]
+            y = x_hat * scale.view(scale.shape + (1,) * (x.dim() - 2)) + self.bias.to(x.dtype).view(bshape)
+        else:
+            y = x_hat * scale.view(scale.shape + (1,) * (x.dim() - 2))
+        return y.to(in_dtype)
+
+    def extra_repr(self) -> str:
+        s = f'{self.num_features}, eps={self.eps}, affine={self.affine}, n={self.n or "H*W"}, mode={self.mode!r}'
+        if self.mode == 'estimate':
+            rate = self.update_rate if self.update_rate is not None else 'lr (BCNRateHook)'
+            return s + f', update_rate={rate}'
+        return s + f', momentum={self.momentum}'
