@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 .PHONY: install demo test test-fast self-check clean-venv help
 
 help:
-	@echo "make demo        install if needed, then run the main job on bundled toy data"
+	@echo "make demo        install if needed, then train + evaluate Mask R-CNN (BCN+WS) on toy COCO"
 	@echo "make test        install if needed, then run the whole test suite"
 	@echo "make install     create $(VENV) with the pinned OpenMMLab stack and normdense (idempotent)"
 	@echo "make test-fast   the test suite without tests marked slow"
@@ -21,7 +21,7 @@ self-check: install
 	@$(PY) -m normdense.self_check
 
 demo: install
-	@$(PY) -m normdense.self_check
+	@bash scripts/demo_det.sh
 
 test: install
 	$(PY) -m pytest tests $(PYTEST_ARGS)

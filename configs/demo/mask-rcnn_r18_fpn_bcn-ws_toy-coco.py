@@ -21,8 +21,8 @@ model = dict(
         mask_roi_extractor=dict(out_channels=width),
         mask_head=dict(in_channels=width, conv_out_channels=width, num_classes=len(classes))),
     train_cfg=dict(
-        rpn_proposal=dict(nms_pre=1000, max_per_img=500),
-        rcnn=dict(sampler=dict(num=128))),
+        rpn_proposal=dict(nms_pre=1000, max_per_img=300),
+        rcnn=dict(sampler=dict(num=64))),
     test_cfg=dict(rpn=dict(nms_pre=500, max_per_img=300)))
 
 train_pipeline = [
