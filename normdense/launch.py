@@ -112,7 +112,26 @@ def add_result_dump(runner, out, scope):
     runner.test_evaluator.metrics.append(Dump(out_file_path=out))
 
 
+def prepare_cpu_distributed(cfg):
+    """Let ``--launcher pytorch`` run on CPU-only machines (gloo), which mmengine 0.10.7 does not: its
+    launcher calls ``torch.cuda.set_device`` and wraps the model with ``device_ids=[LOCAL_RANK]``.
+    We start the gloo process group ourselves (mmengine then skips its own init) and wrap with
+    ``device_ids=None``. Nothing changes where CUDA is available."""
+    import torch
+    import torch.distributed as dist
+    if cfg.get('launcher', 'none') != 'pytorch' or torch.cuda.is_available():
+        return cfg
+    if not dist.is_initialized():
+        dist.init_process_group(backend='gloo')
+    wrapper = cfg.get('model_wrapper_cfg') or dict(type='MMDistributedDataParallel', broadcast_buffers=False,
+                                                   find_unused_parameters=cfg.get('find_unused_parameters', False))
+    wrapper.setdefault('device_ids', None)
+    cfg.model_wrapper_cfg = wrapper
+    return cfg
+
+
 def build_runner(cfg):
     from mmengine.registry import RUNNERS
     from mmengine.runner import Runner
+    prepare_cpu_distributed(cfg)
     return Runner.from_cfg(cfg) if 'runner_type' not in cfg else RUNNERS.build(cfg)

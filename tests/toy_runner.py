@@ -4,7 +4,8 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 from mmengine.model import BaseModel
 from mmengine.evaluator import BaseMetric
-from mmengine.registry import DATASETS, METRICS, MODELS
+from mmengine.hooks import Hook
+from mmengine.registry import DATASETS, HOOKS, METRICS, MODELS
 
 from normdense.layers.bcn import BatchChannelNorm2d
 from normdense.layers.ws import WSConv2d
@@ -53,3 +54,15 @@ class NormdenseToyAccuracy(BaseMetric):
 
     def compute_metrics(self, results):
         return dict(accuracy=sum(results) / max(len(results), 1))
+
+
+@HOOKS.register_module(force=True)
+class DumpBCNEstimatesHook(Hook):
+    """Saves every BCN's estimates on every rank after training (for the distributed test)."""
+
+    def after_train(self, runner):
+        from mmengine.dist import get_rank
+        model = runner.model.module if hasattr(runner.model, 'module') else runner.model
+        estimates = {name: (m.running_mean.clone(), m.running_var.clone()) for name, m in model.named_modules()
+                     if isinstance(m, BatchChannelNorm2d)}
+        torch.save(estimates, f'{runner.work_dir}/bcn_estimates_rank{get_rank()}.pth')
