@@ -1,24 +1,11 @@
-# Faster R-CNN R-101-FPN, IterNorm (Huang et al., Algorithm 1): group-wise whitening by Newton's iteration, 64 channels per group,
-# Layers in the backbone, FPN and 4conv1fc box head, as the WS/BCN paper (Sec. 8.3).
-# 1x schedule; 8 GPUs x 2 images with lr 0.02 (use --auto-scale-lr for another total batch size).
-_base_ = ['mmdet::faster_rcnn/faster-rcnn_r101_fpn_1x_coco.py', '../_base_/norms/iternorm.py']
+# Faster R-CNN R-101-FPN: the R-50 config with a ResNet-101 backbone and its converted iternorm ImageNet weights.
+_base_ = './faster-rcnn_r50_fpn_iternorm_1x_coco.py'
 pretrained = 'checkpoints/resnet101_iternorm_in1k.pth'
 model = dict(
     backbone=dict(
-        conv_cfg=_base_.conv_cfg,
-        norm_cfg=_base_.norm_cfg,
-        norm_eval=False,
+        depth=101,
         init_cfg=dict(
-            _delete_=True,
-            type='PretrainedBackbone',
             checkpoint=pretrained,
             produced_by='python tools/train.py configs/imagenet/resnet101_iternorm_in1k.py && '
             'python tools/convert_checkpoint.py work_dirs/resnet101_iternorm_in1k/epoch_90.pth '
-            f'{pretrained} --to mmdet')),
-    neck=dict(conv_cfg=_base_.conv_cfg, norm_cfg=_base_.norm_cfg),
-    roi_head=dict(
-        bbox_head=dict(
-            type='Shared4Conv1FCBBoxHead',
-            conv_out_channels=256,
-            conv_cfg=_base_.conv_cfg,
-            norm_cfg=_base_.norm_cfg)))
+            f'{pretrained} --to mmdet')))

@@ -1,0 +1,12 @@
+# ResNet-101 with the deep stem of ResNetV1c (three 3x3 convs; mmseg's DeepLabV3 backbone), ImageNet-1k pretraining.
+# GN+WS: GroupNorm(32) after weight-standardized convs (WS formula 'paper', Eq. 7). The paper trains it
+# at 1 image/GPU with 64-iteration accumulation; GN+WS is batch-independent, so 64 images/GPU gives the same
+# gradients.
+# Convert the result for mmdet/mmseg: checkpoints/README.md
+_base_ = ['./_base_/in1k_paper.py']
+model = dict(
+    backbone=dict(
+        type='ResNetV1c',
+        depth=101,
+        conv_cfg=dict(type='WSConv2d'),
+        norm_cfg=dict(type='GN', num_groups=32, requires_grad=True)))

@@ -1,0 +1,9 @@
+# ResNet-101 (plain 7x7 stem, mmdet's ResNet), ImageNet-1k pretraining.
+# GN baseline: GroupNorm(32), plain convs (the WS paper trains it at 1 image/GPU; GN is batch-independent,
+# so 64 images/GPU gives the same gradients and only needs more memory).
+# Convert the result for mmdet/mmseg: checkpoints/README.md
+_base_ = ['./_base_/in1k_paper.py']
+model = dict(
+    backbone=dict(
+        depth=101,
+        norm_cfg=dict(type='GN', num_groups=32, requires_grad=True)))
