@@ -1,0 +1,135 @@
+"""Render the JSON results in benchmarks/results/ as the markdown tables of docs/performance.md.
+
+    python benchmarks/report.py > /tmp/tables.md
+
+Only formats what the benchmark runs wrote; missing result files are skipped with a note.
+"""
+import json
+import os.path as osp
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+RES = osp.join(ROOT, 'benchmarks', 'results')
+
+
+def load(name):
+    path = osp.join(RES, name)
+    if not osp.exists(path):
+        print(f'\n_({name} not found: benchmark not run)_\n')
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def cond_line(c, c_end=None):
+    s = (f'{c["date_utc"]} UTC, torch {c["torch"]}, {c["threads"]} thread(s) of {c["cpu_count"]} cores, '
+         f'load average at start {c["loadavg_1_5_15"][0]:.1f}')
+    if c_end:
+        s += f', at end {c_end["loadavg_1_5_15"][0]:.1f}'
+    return s + ' (shared machine, other engineers\' jobs running)'
+
+
+def layers():
+    r = load('layers.json')
+    if r is None:
+        return
+    print(f'Conditions: {cond_line(r["conditions"], r.get("conditions_end"))}; {r["channels"]} channels; '
+          f'medians of {next(iter(next(iter(r["norm"].values())).values()))["repeats"]} interleaved '
+          f'fwd+bwd runs, training mode.\n')
+    print('**Norm layers**: time ratio to nn.GroupNorm(32) (median ms of GN in the header), activation memory '
+          'ratio to nn.GroupNorm (bytes saved for backward per input element; GN = 4 B = one fp32 copy):\n')
+    settings = list(r['norm'])
+    names = list(r['norm'][settings[0]])
+    print('| layer | ' + ' | '.join(f'{s} time (GN {r["norm"][s]["nn.GroupNorm(32)"]["time_ms"]:.2f} ms)'
+                                    for s in settings) + ' | act. memory / GN | fixed MB |')
+    print('|---|' + '---|' * (len(settings) + 2))
+    for n in names:
+        cells = [f'{r["norm"][s][n]["time_ms"] / r["norm"][s]["nn.GroupNorm(32)"]["time_ms"]:.2f}' for s in settings]
+        s0 = settings[0]
+        mem = r['norm'][s0][n]['act_bytes_per_elem'] / r['norm'][s0]['nn.GroupNorm(32)']['act_bytes_per_elem']
+        print(f'| {n} | ' + ' | '.join(cells) + f' | {mem:.2f} | {r["norm"][s0][n]["fixed_bytes"] / 2**20:.2f} |')
+    print('\n**3x3 convs 256->256** (post-ReLU input): time ratio to nn.Conv2d (its median ms in the header):\n')
+    settings = list(r['conv'])
+    names = list(r['conv'][settings[0]])
+    print('| layer | ' + ' | '.join(f'{s} (Conv2d {r["conv"][s]["nn.Conv2d"]["time_ms"]:.1f} ms)' for s in settings)
+          + ' | act. memory / Conv2d | fixed MB |')
+    print('|---|' + '---|' * (len(settings) + 2))
+    for n in names:
+        cells = [f'{r["conv"][s][n]["time_ms"] / r["conv"][s]["nn.Conv2d"]["time_ms"]:.2f}' for s in settings]
+        s0 = settings[0]
+        mem = r['conv'][s0][n]['act_bytes_per_elem'] / r['conv'][s0]['nn.Conv2d']['act_bytes_per_elem']
+        print(f'| {n} | ' + ' | '.join(cells) + f' | {mem:.2f} | {r["conv"][s0][n]["fixed_bytes"] / 2**20:.2f} |')
+    print('\n**Whitening matrix only** (Newton T=5 vs eigh, 4 groups of 64, fwd+bwd, median ms):\n')
+    print('| setting | Newton T5 | eigh | eigh / Newton |')
+    print('|---|---|---|---|')
+    for s, w in r['whitening'].items():
+        print(f'| {s} | {w["newton T5"]["time_ms"]:.2f} | {w["zca eigh"]["time_ms"]:.2f} | '
+              f'{w["zca eigh"]["time_ms"] / w["newton T5"]["time_ms"]:.2f} |')
+    print('\n**Targets** (PASS/FAIL as printed by the run):\n')
+    print('| target | settings passed | values |')
+    print('|---|---|---|')
+    by = {}
+    for t in r['targets']:
+        by.setdefault(t['target'], []).append(t)
+    for name, ts in by.items():
+        npass = sum(t['passed'] for t in ts)
+        verdict = 'PASS' if npass == len(ts) else ('FAIL' if npass == 0 else 'MIXED')
+        vals = ', '.join(f'{t["value"]:.2f}' for t in ts)
+        print(f'| {name} | {verdict} {npass}/{len(ts)} | {vals} |')
+
+
+def fuse_latency():
+    r = load('fuse_latency.json')
+    if r is None:
+        return
+    print(f'Conditions: {cond_line(r["conditions"], r.get("conditions_end"))}; one {r["image_size"][0]}x'
+          f'{r["image_size"][1]} image; {r["repeats"]} interleaved repeats; fuse folded '
+          f'{r["fuse_stats"]["folded"]} conv->BCN pairs.\n')
+    print('| | median ms | IQR ms |')
+    print('|---|---|---|')
+    for n, row in r['rows'].items():
+        print(f'| {n} | {row["median_ms"]:.1f} | {row["iqr_ms"]:.1f} |')
+    print(f'\nSpeed-up (unfused / fused): whole `predict` {r["speedup_predict"]:.2f}x, backbone + FPN '
+          f'(`extract_feat`) {r["speedup_extract_feat"]:.2f}x. Max |fused - unfused| / max |unfused| over the FPN '
+          f'levels: {r["feature_rel_diff"]:.1e}; same number of detections: {r["same_detection_count"]}, '
+          f'max score difference {r["max_score_diff"]}.')
+
+
+def train_step():
+    r = load('train_step.json')
+    if r is None:
+        return
+    print(f'Conditions: {cond_line(r["conditions"], r.get("conditions_end"))}; one {r["image_size"][0]}x'
+          f'{r["image_size"][1]} image; {r["repeats"]} interleaved repeats.\n')
+    print('| variant | median ms | IQR ms | time / GN | time / mmcv ConvWS+GN | saved for backward MB | '
+          'memory / GN |')
+    print('|---|---|---|---|---|---|---|')
+    for n, row in r['rows'].items():
+        print(f'| {n} | {row["median_ms"]:.0f} | {row["iqr_ms"]:.0f} | {row["time_vs_gn"]:.2f} | '
+              f'{row["time_vs_mmcv_ws_gn"]:.2f} | {row["saved_MB"]:.1f} | {row["mem_vs_gn"]:.2f} |')
+
+
+def digits():
+    r = load('microbatch_digits.json')
+    if r is None:
+        return
+    print(f'Conditions: {cond_line(r["conditions"], r.get("conditions_end"))}; {r["epochs"]} epochs; seeds '
+          f'{r["seeds"]}. Test accuracy, median [IQR] over seeds:\n')
+    keys = list(r['summary'])
+    variants = list(dict.fromkeys(k.rsplit(' B', 1)[0] for k in keys))
+    batches = list(dict.fromkeys(k.rsplit(' B', 1)[1] for k in keys))
+    print('| variant | ' + ' | '.join(f'batch {b}' for b in batches) + ' |')
+    print('|---|' + '---|' * len(batches))
+    for v in variants:
+        cells = []
+        for b in batches:
+            s = r['summary'][f'{v} B{b}']
+            cells.append(f'{s["median"]:.3f} [{s["iqr"]:.3f}]' + (f' ({s["diverged"]} diverged)' if s['diverged']
+                                                                  else ''))
+        print(f'| {v} | ' + ' | '.join(cells) + ' |')
+
+
+if __name__ == '__main__':
+    for title, fn in (('Layer benchmark', layers), ('Fused vs unfused inference', fuse_latency),
+                      ('Training step', train_step), ('Micro-batch digits', digits)):
+        print(f'\n### {title}\n')
+        fn()
