@@ -24,6 +24,7 @@ conversion is checked against the target backbone built from that cfg: keys the 
 (they would stay at their initialization), keys with no place in the target and shape mismatches are
 listed, and :func:`save_backbone_checkpoint` refuses to write such a partial checkpoint unless told to.
 """
+import contextlib
 import copy
 import datetime
 import hashlib
@@ -76,23 +77,24 @@ class BackboneSpec:
         """The backbone cfg for an mmdet or mmseg config (without out_indices, strides, init_cfg...)."""
         if target not in TARGETS:
             raise ConversionError(f'target must be one of {TARGETS}, got {target!r}')
-        cfg = dict(depth=self.depth)
+        extra = {}
         if self.proxy_norm:
             if self.avg_down:
                 raise ConversionError('PNResNet has no avg_down variant')
-            cfg['type'] = 'PNResNetV1c' if self.deep_stem else 'PNResNet'
+            arch = 'PNResNetV1c' if self.deep_stem else 'PNResNet'
             if self.plain_norm_cfg is not None:
-                cfg['plain_norm_cfg'] = copy.deepcopy(self.plain_norm_cfg)
+                extra['plain_norm_cfg'] = copy.deepcopy(self.plain_norm_cfg)
         elif target == 'mmseg' and self.deep_stem:
-            cfg['type'] = 'ResNetV1d' if self.avg_down else 'ResNetV1c'
+            arch = 'ResNetV1d' if self.avg_down else 'ResNetV1c'
         elif target == 'mmdet' and self.deep_stem and self.avg_down:
-            cfg['type'] = 'ResNetV1d'
+            arch = 'ResNetV1d'
         else:
-            cfg['type'] = 'ResNet'
+            arch = 'ResNet'
             if self.deep_stem:
-                cfg['deep_stem'] = True
+                extra['deep_stem'] = True
             if self.avg_down:
-                cfg['avg_down'] = True
+                extra['avg_down'] = True
+        cfg = dict(type=arch, depth=self.depth, **extra)
         cfg['conv_cfg'] = copy.deepcopy(self.conv_cfg)
         cfg['norm_cfg'] = copy.deepcopy(self.norm_cfg)
         return cfg
@@ -208,13 +210,13 @@ def detect_source(sd) -> str:
     keys = list(sd)
     if any(k.startswith('backbone.') for k in keys):
         return 'mmpretrain'
-    bare, had_module = _strip(sd, 'module.')
+    bare, _ = _strip(sd, 'module.')
     if any(re.search(r'(^|\.)bn\d+\.(pbn|bn)\.', k) for k in bare):
         return 'authors'
     if 'conv1.weight' in bare and any(k.endswith('.running_var') for k in bare):
-        return 'authors' if had_module else 'torchvision'
+        return 'torchvision'  # BatchNorm ResNet (with or without a DataParallel prefix)
     if 'conv1.weight' in bare and 'bn1.weight' in bare:
-        return 'authors'  # GN+WS release (GroupNorm under BN names)
+        return 'authors'  # GN+WS release (GroupNorm under BN names, no statistics)
     raise ConversionError('cannot tell the checkpoint layout from its keys (first keys: '
                           f'{keys[:5]}); pass --from {{{",".join(SOURCES)}}}')
 
@@ -352,10 +354,6 @@ def _norm_cfg_from_keys(sd, num_groups=None) -> Tuple[dict, bool, List[str]]:
     if abbr == 'un':
         return dict(type='Unitization'), False, notes
     raise ConversionError(f'unknown norm attribute name {abbr!r}')
-
-
-def _norm_kind(norm_cfg: dict) -> str:
-    return {v: k for k, v in NORM_TYPES.items()}.get(norm_cfg.get('type'), str(norm_cfg.get('type')).lower())
 
 
 def _ws_choice(conv_cfg: Optional[dict]) -> Optional[str]:
@@ -524,6 +522,17 @@ def ws_scale(weight: torch.Tensor, formula: str, eps: float = 1e-5) -> torch.Ten
     return torch.where(den > 0, num / den.clamp_min(1e-300), torch.ones_like(num))
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    """Build modules in ``dtype`` (float64 sources stay float64; other dtypes build in float32)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64 if dtype == torch.float64 else torch.float32)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def _norm_after_conv(conv_key: str) -> str:
     """The BN that follows a conv in a torchvision ResNet: conv1->bn1, convK->bnK, downsample.0->.1."""
     path = conv_key.rsplit('.', 1)[0]
@@ -593,9 +602,10 @@ def convert_torchvision(sd, meta=None, norm=None, ws_formula=None, num_groups=No
             for rest, t in params.items():
                 out[f'{path}.{rest}'] = t  # incomplete BN: reported (missing/unexpected)
             continue
-        bn = torch.nn.BatchNorm2d(params['weight'].numel())
-        bn.load_state_dict({n: params[n] for n in needed}, strict=False)
-        bcn = BatchChannelNorm2d.convert_norm(bn, num_groups=num_groups, mode=bcn_mode)
+        with _default_dtype(params['weight'].dtype):  # convert_norm builds the BCN in the default dtype
+            bn = torch.nn.BatchNorm2d(params['weight'].numel())
+            bn.load_state_dict({n: params[n] for n in needed}, strict=False)
+            bcn = BatchChannelNorm2d.convert_norm(bn, num_groups=num_groups, mode=bcn_mode)
         for rest, t in bcn.state_dict().items():
             out[f'{new}.{rest}'] = t.detach().clone()
         for rest in ('weight', 'bias'):
@@ -638,6 +648,7 @@ _CONVERTERS = dict(mmpretrain=convert_mmpretrain, authors=convert_authors, torch
 def build_target_backbone(spec: BackboneSpec, target: str):
     """Build the mmdet or mmseg backbone the converted weights are meant for (random init)."""
     import normdense  # noqa: F401  (registers WSConv2d, BCN, PNResNet, ...)
+    from mmengine.registry import DefaultScope
     cfg = spec.to_cfg(target)
     if target == 'mmdet':
         import mmdet.models  # noqa: F401
@@ -645,7 +656,10 @@ def build_target_backbone(spec: BackboneSpec, target: str):
     else:
         import mmseg.models  # noqa: F401
         from mmseg.registry import MODELS
-    return MODELS.build(cfg)
+    # build_from_cfg resolves types in the *current default scope*'s registry (after an mmpretrain run that
+    # would be mmpretrain's ResNet, whose deep stem has other names): pin the target's scope.
+    with DefaultScope.overwrite_default_scope(target):
+        return MODELS.build(cfg)
 
 
 def check_against_target(sd, spec: BackboneSpec, target: str):
