@@ -8,7 +8,7 @@ _base_ = '../mask_rcnn/mask-rcnn_r50_fpn_bcn-ws_2x_coco.py'
 data_root = 'data/toy_coco/'
 classes = ('circle', 'rectangle', 'ring', 'star', 'triangle')
 width = 128
-max_iters = 1000
+max_iters = 1500
 
 model = dict(
     backbone=dict(depth=18, frozen_stages=-1, init_cfg=None),
@@ -55,7 +55,7 @@ test_evaluator = val_evaluator
 train_cfg = dict(_delete_=True, type='IterBasedTrainLoop', max_iters=max_iters, val_interval=max_iters)
 param_scheduler = [
     dict(type='LinearLR', start_factor=0.01, by_epoch=False, begin=0, end=100),
-    dict(type='MultiStepLR', by_epoch=False, begin=0, end=max_iters, milestones=[750, 900], gamma=0.1)
+    dict(type='MultiStepLR', by_epoch=False, begin=0, end=max_iters, milestones=[1200, 1400], gamma=0.1)
 ]
 optim_wrapper = dict(optimizer=dict(lr=0.02))
 default_hooks = dict(
