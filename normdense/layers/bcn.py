@@ -236,9 +236,13 @@ class BatchChannelNorm2d(nn.GroupNorm):
 
 
 def _to_bcn(cls, module, num_groups, bcn_kwargs):
+    tensors = list(module.parameters()) + list(module.buffers())
+    # build on the source's device and float dtype before copying, so nothing is rounded
+    place = dict(device=tensors[0].device, dtype=next((t.dtype for t in tensors if t.is_floating_point()),
+                                                      None)) if tensors else {}
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
         c = module.num_features
-        bcn = cls(c, num_groups=num_groups, eps=module.eps, **bcn_kwargs)
+        bcn = cls(c, num_groups=num_groups, eps=module.eps, **bcn_kwargs).to(**place)
         with torch.no_grad():
             if module.track_running_stats and module.running_mean is not None:
                 bcn.running_mean.copy_(module.running_mean)
@@ -247,7 +251,7 @@ def _to_bcn(cls, module, num_groups, bcn_kwargs):
                 bcn.batch_weight.copy_(module.weight)
                 bcn.batch_bias.copy_(module.bias)
     elif type(module) is nn.GroupNorm:
-        bcn = cls(module.num_channels, num_groups=module.num_groups, eps=module.eps, **bcn_kwargs)
+        bcn = cls(module.num_channels, num_groups=module.num_groups, eps=module.eps, **bcn_kwargs).to(**place)
         if module.affine:
             weight, bias = module.weight.detach(), module.bias.detach()
             if bcn.group_affine:
@@ -261,9 +265,6 @@ def _to_bcn(cls, module, num_groups, bcn_kwargs):
                 bcn.bias.copy_(bias)
     else:
         return None
-    tensors = list(module.parameters()) + list(module.buffers())
-    if tensors:
-        bcn.to(tensors[0].device)
     bcn.train(module.training)
     return bcn
 

@@ -229,3 +229,11 @@ def test_empty_input_leaves_statistics_untouched(mode):
     y = bcn.train()(torch.zeros(0, 8, 7, 7))
     assert y.shape == (0, 8, 7, 7)
     assert torch.equal(bcn.running_mean, torch.zeros(8)) and torch.equal(bcn.running_var, torch.ones(8))
+
+
+def test_convert_norm_keeps_float64():
+    bn = nn.BatchNorm2d(4).double()
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.tensor([0.1, 1 / 3, 2 / 7, 5 / 9], dtype=torch.float64))
+    bcn = BatchChannelNorm2d.convert_norm(bn, num_groups=2)
+    assert bcn.running_mean.dtype == torch.float64 and torch.equal(bcn.running_mean, bn.running_mean)
