@@ -31,3 +31,7 @@ test-fast: install
 
 clean-venv:
 	rm -rf $(VENV)
+
+.PHONY: demo-seg
+demo-seg: install
+	@$(PY) scripts/demo_seg.py
