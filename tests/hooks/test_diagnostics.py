@@ -81,7 +81,10 @@ def make_runner(tmp_path, hook_cfg, max_iters=6):
         default_hooks=dict(logger=dict(type='LoggerHook', interval=1), checkpoint=None),
         custom_hooks=[dict(type='BCNRateHook'), hook_cfg, dict(type='_ForwardHookCounter')],
         visualizer=dict(type='Visualizer', vis_backends=[dict(type='LocalVisBackend')]),
-        log_level='INFO', default_scope='mmengine', randomness=dict(seed=0))
+        log_level='INFO', default_scope='mmengine', randomness=dict(seed=0),
+        # a Runner's MessageHub is a global instance named after the experiment, which defaults to the
+        # timestamp: two runners built in the same second would share (and leak) scalars
+        experiment_name=f'diag_{tmp_path.name}')
 
 
 def test_hook_records_scalars_into_message_hub_log_and_visualizer(tmp_path):
