@@ -212,6 +212,30 @@ def test_config_settings(path):
             assert norm_cfg.mode == 'estimate'  # so every BCN config here needs (and has) the hook
 
 
+def backbone_layers(backbone_cfg):
+    """What a converted checkpoint must agree on: backbone class, depth, norm kind and its group
+    setting, conv type and WS formula (BN/SyncBN and BCN's two modes share their tensors)."""
+    norm = backbone_cfg.get('norm_cfg') or dict(type='BN')  # mmpretrain's ResNet default
+    kind = 'BN' if norm['type'] in ('BN', 'SyncBN') else norm['type']
+    conv = backbone_cfg.get('conv_cfg') or dict(type='Conv2d')
+    return (backbone_cfg['type'], backbone_cfg['depth'], kind, norm.get('num_groups'), norm.get('group_size'),
+            conv['type'], conv.get('formula', 'paper') if conv['type'] == 'WSConv2d' else None)
+
+
+PRETRAINED_CASES = sorted({(parse_name(p)[0], parse_name(p)[2]) for p in SEG_CONFIGS if parse_name(p)[2] != 'bn'})
+
+
+@pytest.mark.parametrize('depth,norm', PRETRAINED_CASES, ids=[f'r{d}-{n}' for d, n in PRETRAINED_CASES])
+def test_pretraining_config_matches(depth, norm):
+    """The ImageNet config named in produced_by exists and trains the same backbone layers as the
+    segmentation config that loads its converted checkpoint (strictly)."""
+    path = osp.join(ROOT, 'configs', 'deeplabv3', f'deeplabv3_r{depth}-d16_{norm}_voc12aug-513x513.py')
+    seg = load(path).model.backbone
+    imagenet = osp.join(ROOT, 'configs', 'imagenet', f'resnet{depth}-v1c_{norm}_in1k.py')
+    assert osp.isfile(imagenet), f'{seg.init_cfg.produced_by} names a missing config'
+    assert backbone_layers(load(imagenet).model.backbone) == backbone_layers(seg)
+
+
 @pytest.mark.parametrize('path', SEG_CONFIGS, ids=cfg_id)
 def test_config_builds(path, voc_root, tmp_path):
     """Model (real depth) and dataloaders build from the config; the model is what the name says."""
