@@ -73,8 +73,23 @@ def layers():
     for name, ts in by.items():
         npass = sum(t['passed'] for t in ts)
         verdict = 'PASS' if npass == len(ts) else ('FAIL' if npass == 0 else 'MIXED')
-        vals = ', '.join(f'{t["value"]:.2f}' for t in ts)
+        vals = ', '.join(f'{t["value"]:.2f}' + (f' ({t["worst"]})' if 'worst' in t else '') for t in ts)
         print(f'| {name} | {verdict} {npass}/{len(ts)} | {vals} |')
+    if r.get('recompute'):
+        print('\n**`recompute=True`** vs the same layer with plain autograd (default): fwd+bwd time ratio per '
+              'setting, activation memory (bytes saved for backward per input element) relative to the '
+              'reference, default -> recompute:\n')
+        by = {}
+        for row in r['recompute']:
+            by.setdefault((row['kind'], row['layer']), []).append(row)
+        settings = list(dict.fromkeys(row['setting'] for row in r['recompute']))
+        print('| layer | ' + ' | '.join(f'{s} time' for s in settings) + ' | memory default | memory recompute '
+              '| memory reference |')
+        print('|---|' + '---|' * (len(settings) + 3))
+        for (_, layer), rows in by.items():
+            cells = {row['setting']: f'{row["time_ratio"]:.2f}' for row in rows}
+            print(f'| {layer} | ' + ' | '.join(cells.get(s, '') for s in settings) +
+                  f' | {rows[0]["mem_default"]:.2f} | {rows[0]["mem_recompute"]:.2f} | {rows[0]["mem_ref"]} |')
 
 
 def fuse_latency():
@@ -92,6 +107,26 @@ def fuse_latency():
           f'(`extract_feat`) {r["speedup_extract_feat"]:.2f}x. Max |fused - unfused| / max |unfused| over the FPN '
           f'levels: {r["feature_rel_diff"]:.1e}; same number of detections: {r["same_detection_count"]}, '
           f'max score difference {r["max_score_diff"]}.')
+
+
+def fused_resnet50():
+    r = load('fused_resnet50.json')
+    if r is None:
+        return
+    print(f'Conditions: {cond_line(r["conditions"], r.get("conditions_end"))}; mmdet ResNet-50 backbone, one '
+          f'3x{r["image_size"][0]}x{r["image_size"][1]} image, eval, no_grad; {r["repeats"]} interleaved repeats; '
+          f'fuse folded {r["fuse_stats"]["folded"]} conv->BCN pairs (each leaves an nn.GroupNorm), '
+          f'{r["bn_folded"]} BN folded in the folded baseline.\n')
+    print('| model | median ms | IQR ms |')
+    print('|---|---|---|')
+    for n, row in r['rows'].items():
+        print(f'| {n} | {row["median_ms"]:.1f} | {row["iqr_ms"]:.1f} |')
+    verdict = 'PASS' if r['passed'] else 'FAIL'
+    verdict_folded = 'PASS' if r['passed_vs_folded'] else 'FAIL'
+    print(f'\nfused WS+BCN / frozen BN: **{r["ratio_fused_vs_frozen_bn"]:.3f}** ({verdict}, target <= '
+          f'{r["target"]}); fused WS+BCN / frozen BN folded into the convs: {r["ratio_fused_vs_frozen_bn_folded"]:.3f} '
+          f'({verdict_folded} against the same bound); fused vs unfused WS+BCN: {r["speedup_fused_vs_unfused"]:.2f}x '
+          f'faster, outputs agree to {r["fused_rel_diff"]:.1e} of their scale.')
 
 
 def train_step():
@@ -130,6 +165,7 @@ def digits():
 
 if __name__ == '__main__':
     for title, fn in (('Layer benchmark', layers), ('Fused vs unfused inference', fuse_latency),
+                      ('Fused WS+BCN ResNet-50 vs frozen-BN ResNet-50', fused_resnet50),
                       ('Training step', train_step), ('Micro-batch digits', digits)):
         print(f'\n### {title}\n')
         fn()

@@ -36,6 +36,10 @@ Integration choices (documented in the README):
   half-frozen layer. Use ``update_rate=0.0`` to freeze the estimates explicitly.
 * The channel-norm affine is per group (Eq. 42 and the authors' release, shape (G,)); ``group_affine=
   False`` makes it per channel (shape (C,)).
+* ``recompute=True`` (off by default) trades time for memory: the layer keeps only its input for
+  backward (plain autograd keeps the input and the first stage's output, twice nn.GroupNorm's memory)
+  and recomputes both stages in backward; see ``normdense/layers/_recompute.py`` and
+  docs/performance.md for the measured cost.
 """
 from typing import Optional
 
@@ -43,6 +47,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ._recompute import checkpoint_once, recompute_active
 
 BCN_MODES = ('batch', 'estimate')
 
@@ -114,12 +120,17 @@ class BatchChannelNorm2d(nn.GroupNorm):
             SyncBN). Default on for estimate mode; off for batch mode, where it costs a collective in
             the forward pass.
         group_affine: per-group channel-stage affine (Eq. 42, default) instead of per-channel.
+        recompute: in training, save only the input for backward (activation memory of one
+            nn.GroupNorm instead of two) and recompute both stages in backward, at the cost of a
+            second forward of them. Estimates / running statistics are still updated once per forward
+            and the recomputation uses copies of the values the forward used. Default ``False``
+            (plain autograd). No effect in eval mode or without grad.
     """
     _abbr_ = 'bcn'
 
     def __init__(self, num_features: int, num_groups: int = 32, mode: str = 'estimate', eps: float = 1e-5,
                  momentum: float = 0.1, update_rate: Optional[float] = None, sync_stats: Optional[bool] = None,
-                 group_affine: bool = True):
+                 group_affine: bool = True, recompute: bool = False):
         if mode not in BCN_MODES:
             raise ValueError(f'BCN mode must be one of {BCN_MODES}, got {mode!r}')
         if num_groups <= 0 or num_features % num_groups:
@@ -134,6 +145,7 @@ class BatchChannelNorm2d(nn.GroupNorm):
         self.update_rate = update_rate
         self.sync_stats = (mode == 'estimate') if sync_stats is None else sync_stats
         self.group_affine = group_affine
+        self.recompute = bool(recompute)
         self.current_rate: Optional[float] = None  # set by BCNRateHook / set_update_rate each iteration
         # Batch-knowledge stage (Eq. 40) and channel stage (Eq. 42) affines. The channel stage's keep
         # GroupNorm's names so GN checkpoints map onto it.
@@ -170,32 +182,70 @@ class BatchChannelNorm2d(nn.GroupNorm):
             # shared across calls, e.g. a head applied per level, forwards twice before backward).
             mean, var = self.running_mean.clone(), self.running_var.clone()
         elif self.training and self.sync_stats and _world_size() > 1:
-            mean, var, count = _synced_batch_moments(x)
-            with torch.no_grad():
-                unbiased = var * count / (count - 1).clamp(min=1)
-                self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), self.momentum)
-                self.running_var.lerp_(unbiased.detach().to(self.running_var.dtype), self.momentum)
+            mean, var = self._synced_stats(x)
         elif x.numel() == 0:  # no samples (e.g. zero RoIs): nothing to normalize or to track
             mean, var = self.running_mean, self.running_var
         else:
             return F.batch_norm(x, self.running_mean, self.running_var, self.batch_weight, self.batch_bias,
                                 self.training, self.momentum, self.eps)
+        return self._affine(x, mean, var, self.batch_weight, self.batch_bias)
+
+    def _synced_stats(self, x):
+        """Batch mode across processes: differentiable synced moments, running statistics updated."""
+        mean, var, count = _synced_batch_moments(x)
+        with torch.no_grad():
+            unbiased = var * count / (count - 1).clamp(min=1)
+            self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), self.momentum)
+            self.running_var.lerp_(unbiased.detach().to(self.running_var.dtype), self.momentum)
+        return mean, var
+
+    def _affine(self, x, mean, var, batch_weight, batch_bias):
         # One fused per-channel affine: gamma^b (x - mu_hat) / sigma_hat + beta^b.
-        scale = self.batch_weight * torch.rsqrt(var.to(self.batch_weight.dtype) + self.eps)
-        shift = self.batch_bias - mean.to(scale.dtype) * scale
+        scale = batch_weight * torch.rsqrt(var.to(batch_weight.dtype) + self.eps)
+        shift = batch_bias - mean.to(scale.dtype) * scale
         return x * scale.view(1, -1, 1, 1).to(x.dtype) + shift.view(1, -1, 1, 1).to(x.dtype)
 
-    def forward(self, x):
-        if x.dim() != 4:
-            raise ValueError(f'BatchChannelNorm2d expects (N, C, H, W) input, got shape {tuple(x.shape)}')
-        x = self._batch_stage(x)
-        weight, bias = self.weight, self.bias
+    def _channel_stage(self, x, weight, bias):
         if self.group_affine:
             # A per-group affine equals a per-channel one with each group's value repeated, which lets
             # group_norm apply it in the same kernel.
             per_group = self.num_channels // self.num_groups
             weight, bias = weight.repeat_interleave(per_group), bias.repeat_interleave(per_group)
         return F.group_norm(x, self.num_groups, weight, bias, self.eps)
+
+    def forward(self, x):
+        if x.dim() != 4:
+            raise ValueError(f'BatchChannelNorm2d expects (N, C, H, W) input, got shape {tuple(x.shape)}')
+        if recompute_active(self, x):
+            return self._forward_recompute(x)
+        return self._channel_stage(self._batch_stage(x), self.weight, self.bias)
+
+    def _forward_recompute(self, x):
+        """Training forward keeping only x (and channel-sized statistics) for backward. The parameters
+        are passed into the checkpointed part too, so the recomputation uses the very tensors of the
+        forward (e.g. under torch.func.functional_call)."""
+        params = (self.batch_weight, self.batch_bias, self.weight, self.bias)
+        if self.mode == 'estimate':
+            # updated once, here; the checkpointed part gets copies of the values used now
+            update_estimates_(x, self.running_mean, self.running_var, self._rate(), self.sync_stats)
+            stats = (self.running_mean.clone(), self.running_var.clone())
+        elif self.sync_stats and _world_size() > 1:
+            # the collective runs once, outside the checkpoint (never again in backward); the synced
+            # moments enter the checkpointed part as (differentiable, channel-sized) inputs
+            stats = self._synced_stats(x)
+        else:
+            return checkpoint_once(self._batch_norm_recomputable, x, *params)
+        return checkpoint_once(self._two_stages_recomputable, x, *stats, *params)
+
+    def _two_stages_recomputable(self, first, x, mean, var, batch_weight, batch_bias, weight, bias):
+        return self._channel_stage(self._affine(x, mean, var, batch_weight, batch_bias), weight, bias)
+
+    def _batch_norm_recomputable(self, first, x, batch_weight, batch_bias, weight, bias):
+        # Batch mode: normalization by the batch statistics (training=True fixed at forward time); the
+        # running statistics are updated by the forward call only, the recomputation tracks none.
+        running = (self.running_mean, self.running_var) if first else (None, None)
+        y = F.batch_norm(x, *running, batch_weight, batch_bias, True, self.momentum, self.eps)
+        return self._channel_stage(y, weight, bias)
 
     def reset_parameters(self):
         # nn.GroupNorm.__init__ calls this before our parameters exist.
@@ -209,7 +259,8 @@ class BatchChannelNorm2d(nn.GroupNorm):
         rate = self.update_rate if self.update_rate is not None else 'lr (BCNRateHook)'
         s = f'{self.num_channels}, num_groups={self.num_groups}, mode={self.mode!r}, eps={self.eps}'
         s += f', update_rate={rate}' if self.mode == 'estimate' else f', momentum={self.momentum}'
-        return s + f', sync_stats={self.sync_stats}, group_affine={self.group_affine}'
+        s += f', sync_stats={self.sync_stats}, group_affine={self.group_affine}'
+        return s + (', recompute=True' if self.recompute else '')
 
     @classmethod
     def convert_norm(cls, module: nn.Module, num_groups: int = 32, **bcn_kwargs) -> nn.Module:

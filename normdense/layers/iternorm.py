@@ -22,6 +22,10 @@ momentum lambda (Eq. 8, init 0 and I); eval uses the running ones, so the layer 
 backward is not needed). The whitening runs in float32 (float64 for float64 inputs) with autocast
 disabled.
 
+``recompute=True`` (off by default) keeps only the layer's input for backward (plain autograd keeps the
+centred groups and the whitened output, twice nn.GroupNorm's activation memory) and recomputes the
+whole whitening in backward; see ``normdense/layers/_recompute.py`` and docs/performance.md.
+
 ``method='zca'`` computes the exact ZCA whitening matrix D diag(lambda)^{-1/2} D^T by eigen-
 decomposition, as DBN does (Eq. 2), for comparison. Its backward is ill-conditioned when
 eigenvalues repeat (e.g. m < d or constant channels give repeated eigenvalues eps); this is DBN's
@@ -33,6 +37,8 @@ from typing import List, Tuple
 
 import torch
 import torch.nn as nn
+
+from ._recompute import checkpoint_once, recompute_active
 
 __all__ = ['IterNorm', 'newton_whitening_matrix', 'zca_whitening_matrix']
 
@@ -110,6 +116,10 @@ class IterNorm(nn.Module):
         momentum: lambda of the running averages (Eq. 8), in (0, 1].
         affine: learn the per-channel gamma (``weight``, init 1) and beta (``bias``, init 0).
         method: ``'newton'`` (IterNorm) or ``'zca'`` (exact eigendecomposition whitening, DBN).
+        recompute: in training, save only the input for backward (one nn.GroupNorm's activation
+            memory instead of two) and recompute mean, whitening matrix and output in backward, at the
+            cost of a second forward. The running statistics (Eq. 8) are still updated once per
+            forward. Default ``False`` (plain autograd). No effect in eval mode or without grad.
 
     Buffers: ``running_mean`` (C,) and ``running_wm`` (G, g, g) with g = min(group_size, C); a
     smaller last group of r channels occupies ``running_wm[-1, :r, :r]`` (the rest stays 0).
@@ -127,7 +137,8 @@ class IterNorm(nn.Module):
                  eps: float = 1e-5,
                  momentum: float = 0.1,
                  affine: bool = True,
-                 method: str = 'newton'):
+                 method: str = 'newton',
+                 recompute: bool = False):
         super().__init__()
         for arg, val in (('num_features', num_features), ('group_size', group_size)):
             if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
@@ -147,6 +158,7 @@ class IterNorm(nn.Module):
         self.momentum = float(momentum)
         self.affine = affine
         self.method = method
+        self.recompute = bool(recompute)
 
         g = self.group_size
         full, rest = divmod(num_features, g)
@@ -198,6 +210,17 @@ class IterNorm(nn.Module):
             shape = (1, -1) + (1, ) * (x.dim() - 2)
             # keep gamma/beta in the graph (DDP expects every parameter to get a gradient)
             return x * self.weight.view(shape) + self.bias.view(shape)
+        if recompute_active(self, x):
+            # training mode fixed at forward time; the running statistics are updated by the forward
+            # call only (first=True), the recomputation in backward only rebuilds the graph
+            # (the affine parameters are passed in, so the recomputation uses the forward's tensors)
+            return checkpoint_once(lambda first, inp, w, b: self._whiten(inp, True, first, w, b), x, self.weight,
+                                   self.bias)
+        return self._whiten(x, self.training, self.training, self.weight, self.bias)
+
+    def _whiten(self, x: torch.Tensor, training: bool, update: bool, weight, bias) -> torch.Tensor:
+        """Algorithm 1 with batch statistics (``training``; Eq. 8 updates if ``update``) or the running
+        ones, then the affine ``weight``/``bias`` (None without affine)."""
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         n, c = x.shape[:2]
         with torch.autocast(device_type=x.device.type, enabled=False):
@@ -207,15 +230,16 @@ class IterNorm(nn.Module):
             outs = []
             for c0, g0, ng, size in self._blocks:
                 xb = xm[c0:c0 + ng * size].view(ng, size, m)
-                if self.training:
+                if training:
                     mean = xb.mean(dim=2, keepdim=True)
                     xc = xb - mean
                     wm = self.whitening_matrix(xc)
-                    with torch.no_grad():  # Eq. 8
-                        rm = self.running_mean[c0:c0 + ng * size]
-                        rm.lerp_(mean.detach().view(-1).to(rm.dtype), self.momentum)
-                        rw = self.running_wm[g0:g0 + ng, :size, :size]
-                        rw.lerp_(wm.detach().to(rw.dtype), self.momentum)
+                    if update:
+                        with torch.no_grad():  # Eq. 8
+                            rm = self.running_mean[c0:c0 + ng * size]
+                            rm.lerp_(mean.detach().view(-1).to(rm.dtype), self.momentum)
+                            rw = self.running_wm[g0:g0 + ng, :size, :size]
+                            rw.lerp_(wm.detach().to(rw.dtype), self.momentum)
                 else:
                     mean = self.running_mean[c0:c0 + ng * size].to(dtype).view(ng, size, 1)
                     xc = xb - mean
@@ -225,12 +249,11 @@ class IterNorm(nn.Module):
             y = y.view(c, n, *x.shape[2:]).transpose(0, 1)
             if self.affine:
                 shape = (1, c) + (1, ) * (x.dim() - 2)
-                y = torch.addcmul(self.bias.to(dtype).view(shape), y,
-                                  self.weight.to(dtype).view(shape))
+                y = torch.addcmul(bias.to(dtype).view(shape), y, weight.to(dtype).view(shape))
         return y.to(x.dtype).contiguous()
 
     def extra_repr(self) -> str:
         return (f'{self.num_features}, group_size={self.group_size}, '
                 f'groups={self.group_sizes if len(set(self.group_sizes)) > 1 else self.num_groups}, '
                 f'T={self.T}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, '
-                f'method={self.method!r}')
+                f'method={self.method!r}' + (', recompute=True' if self.recompute else ''))

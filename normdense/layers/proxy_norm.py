@@ -21,6 +21,12 @@ use ``act_cfg=None`` in ConvModules and the ``PNResNet`` backbone instead of ``R
 :func:`find_activations_after_proxy_norm` / :class:`ActivationAfterProxyNormGuard` detect
 violations (wired into ``ProxyNormCheckHook``).
 
+``recompute=True`` (off by default) keeps only the layer's input for backward (plain autograd keeps the
+input and two activation-sized intermediates, 3x nn.GroupNorm's activation memory, plus three (C, n)
+tensors of the proxy statistics) and recomputes GN, phi, the proxy statistics and the normalization in
+backward; see ``normdense/layers/_recompute.py``. The layer draws no random numbers (the proxy samples are
+deterministic quantiles), so the recomputation is exact without saving any RNG state.
+
 No mmcv/mmengine imports here: registration happens in ``normdense/registry.py``.
 """
 import functools
@@ -31,6 +37,8 @@ from typing import Dict, List, Tuple, Union
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ._recompute import checkpoint_once, recompute_active
 
 __all__ = [
     'GroupProxyNorm', 'proxy_quantiles', 'proxy_norm_paramwise_cfg',
@@ -145,6 +153,10 @@ class GroupProxyNorm(nn.GroupNorm):
             scaling just before the final mean pooling, App. A.1).
         proxy_affine: learn the proxy parameters beta~, gamma~ (init 0). False = "omitted" variant
             of App. A.3.3 (Y ~ N(0, 1)).
+        recompute: in training, save only the input for backward (one nn.GroupNorm's activation
+            memory instead of three; the proxy statistics' (C, n) tensors are not kept either) and
+            recompute the whole layer in backward, at the cost of a second forward. Default ``False``
+            (plain autograd). No effect in eval mode or without grad.
 
     Parameters: ``weight``/``bias`` are gamma/beta of the activation step (GroupNorm's own names so
     GN checkpoints load), ``proxy_beta``/``proxy_gamma`` are beta~/gamma~. The proxy statistics are
@@ -162,7 +174,8 @@ class GroupProxyNorm(nn.GroupNorm):
                  proxy_eps: float = 0.03,
                  num_samples: int = 200,
                  proxy_scaling: bool = True,
-                 proxy_affine: bool = True):
+                 proxy_affine: bool = True,
+                 recompute: bool = False):
         if (isinstance(num_channels, bool) or not isinstance(num_channels, int)
                 or num_channels <= 0):
             raise ValueError(f'GNPN: num_channels must be a positive int, got {num_channels!r}')
@@ -186,6 +199,7 @@ class GroupProxyNorm(nn.GroupNorm):
         self.num_samples = num_samples
         self.proxy_scaling = bool(proxy_scaling)
         self.proxy_affine = bool(proxy_affine)
+        self.recompute = bool(recompute)
         if self.proxy_affine:
             self.proxy_beta = nn.Parameter(torch.zeros(num_channels))
             self.proxy_gamma = nn.Parameter(torch.zeros(num_channels))
@@ -210,11 +224,14 @@ class GroupProxyNorm(nn.GroupNorm):
     def proxy_statistics(self, dtype: torch.dtype = torch.float32
                          ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Per-channel E[phi(gamma Y + beta)] and Var[...] of the Gaussian proxy, shape (C,) each."""
-        q = _cached_quantiles(self.num_samples, dtype, self.weight.device)  # (n,)
-        gamma = self.weight.to(dtype)[:, None]
-        beta = self.bias.to(dtype)[:, None]
+        return self._proxy_moments(self.weight, self.bias, self.proxy_beta, self.proxy_gamma, dtype)
+
+    def _proxy_moments(self, weight, bias, proxy_beta, proxy_gamma, dtype):
+        q = _cached_quantiles(self.num_samples, dtype, weight.device)  # (n,)
+        gamma = weight.to(dtype)[:, None]
+        beta = bias.to(dtype)[:, None]
         if self.proxy_affine:
-            y = self.proxy_beta.to(dtype)[:, None] + (1 + self.proxy_gamma.to(dtype))[:, None] * q
+            y = proxy_beta.to(dtype)[:, None] + (1 + proxy_gamma.to(dtype))[:, None] * q
         else:
             y = q.expand(self.num_channels, -1)
         a = self.activation(gamma * y + beta)  # (C, n)
@@ -227,12 +244,20 @@ class GroupProxyNorm(nn.GroupNorm):
             raise ValueError(f'GNPN expects input (N, {self.num_channels}, ...), '
                              f'got shape {tuple(x.shape)}')
         dtype = _stat_dtype(x, self.weight)
+        params = (self.weight, self.bias, self.proxy_beta, self.proxy_gamma)
+        if recompute_active(self, x):
+            # Everything, the (C, n) proxy statistics included, is recomputed in backward: only x is
+            # kept. The parameters are passed in, so the recomputation uses the forward's tensors.
+            return checkpoint_once(lambda first, inp, *ps: self._eq7(inp, dtype, *ps), x, *params)
+        return self._eq7(x, dtype, *params)
+
+    def _eq7(self, x: torch.Tensor, dtype: torch.dtype, weight, bias, proxy_beta, proxy_gamma) -> torch.Tensor:
+        """Eq. 7 with the given parameters, computed in ``dtype`` with autocast disabled."""
         with torch.autocast(device_type=x.device.type, enabled=False):
             # GN stage and affine fused into one group_norm call: gamma * GN(x) + beta
-            u = F.group_norm(x.to(dtype), self.num_groups, self.weight.to(dtype),
-                             self.bias.to(dtype), self.eps)
+            u = F.group_norm(x.to(dtype), self.num_groups, weight.to(dtype), bias.to(dtype), self.eps)
             a = self.activation(u)
-            mean, var = self.proxy_statistics(dtype)
+            mean, var = self._proxy_moments(weight, bias, proxy_beta, proxy_gamma, dtype)
             shape = (1, self.num_channels) + (1, ) * (x.dim() - 2)
             if self.proxy_scaling:
                 inv_std = torch.rsqrt(var + self.proxy_eps)
@@ -245,7 +270,8 @@ class GroupProxyNorm(nn.GroupNorm):
         act = self.act if not self.act_kwargs else f'{self.act}({self.act_kwargs})'
         return (f'{self.num_groups}, {self.num_channels}, eps={self.eps}, act={act}, '
                 f'proxy_eps={self.proxy_eps}, num_samples={self.num_samples}, '
-                f'proxy_scaling={self.proxy_scaling}, proxy_affine={self.proxy_affine}')
+                f'proxy_scaling={self.proxy_scaling}, proxy_affine={self.proxy_affine}'
+                + (', recompute=True' if self.recompute else ''))
 
 
 def proxy_norm_paramwise_cfg(norm_decay_mult: float = 0.0,

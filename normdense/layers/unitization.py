@@ -33,6 +33,11 @@ Statistics of stage 1:
   layer trains at batch size 1 on 1x1 maps (stage 2 is per sample anyway). r comes from ``BCNRateHook``
   (the optimizer's current lr, as BCN) or a fixed ``update_rate``; a training forward with neither
   raises ``RuntimeError``. The estimates live in the ``running_mean``/``running_var`` buffers.
+
+``recompute=True`` (off by default) keeps only the layer's input for backward and recomputes both stages
+in backward (batch mode: plain autograd keeps three activation-sized tensors, the input, x_hat and the
+stage-2 output's factors, i.e. 3x nn.GroupNorm's memory; estimate mode keeps one either way, so there it
+only costs time); see ``normdense/layers/_recompute.py`` and docs/performance.md.
 """
 import numbers
 from typing import Optional
@@ -40,6 +45,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from ._recompute import checkpoint_once, recompute_active
 from .bcn import update_estimates_
 
 UNITIZATION_MODES = ('batch', 'estimate')
@@ -58,12 +64,16 @@ class Unitization2d(nn.Module):
         mode: ``'batch'`` (the paper) or ``'estimate'`` (BCN-style running estimates; our extension).
         update_rate: fixed r for ``'estimate'`` mode; ``None`` takes it from ``BCNRateHook``.
         sync_stats: all-reduce the estimate update across processes (estimate mode only), as BCN does.
+        recompute: in training, save only the input for backward and recompute both stages in backward
+            (batch mode: 1x instead of 3x nn.GroupNorm's activation memory; estimate mode: 1x either
+            way), at the cost of a second forward. Statistics are still updated once per forward.
+            Default ``False`` (plain autograd). No effect in eval mode or without grad.
     """
     _abbr_ = 'un'
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
                  affine: bool = True, n: Optional[float] = None, mode: str = 'batch',
-                 update_rate: Optional[float] = None, sync_stats: bool = True):
+                 update_rate: Optional[float] = None, sync_stats: bool = True, recompute: bool = False):
         super().__init__()
         if not isinstance(num_features, int) or num_features <= 0:
             raise ValueError(f'Unitization num_features must be a positive int, got {num_features!r}')
@@ -87,6 +97,7 @@ class Unitization2d(nn.Module):
         self.mode = mode
         self.update_rate = update_rate
         self.sync_stats = sync_stats
+        self.recompute = bool(recompute)
         self.current_rate: Optional[float] = None  # set by BCNRateHook / bcn.set_update_rate
         self.alpha = nn.Parameter(torch.zeros(num_features))
         if affine:
@@ -125,16 +136,19 @@ class Unitization2d(nn.Module):
         self.running_var.fill_(1.0)
         self.num_batches_tracked.zero_()
 
-    def _stage1_stats(self, x: torch.Tensor):
-        """Mean and variance that standardize x (Algorithm 2 line 5), updating buffers in training."""
+    def _stage1_stats(self, x: torch.Tensor, update: bool = True, training: Optional[bool] = None):
+        """Mean and variance that standardize x (Algorithm 2 line 5), updating buffers in training
+        (unless ``update=False``: the recomputation of ``recompute=True`` in backward, which also fixes
+        ``training`` to the forward's mode)."""
+        training = self.training if training is None else training
         dims = [d for d in range(x.dim()) if d != 1]
         if self.mode == 'estimate':
-            if self.training:
+            if training and update:
                 update_estimates_(x, self.running_mean, self.running_var, self._rate(), self.sync_stats)
                 self.num_batches_tracked.add_(1)
             # Constants for autograd: the estimates are not trained by the loss (WS/BCN Algorithm 1).
             return self.running_mean.to(x.dtype), self.running_var.to(x.dtype)
-        if not self.training:
+        if not training:
             return self.running_mean.to(x.dtype), self.running_var.to(x.dtype)
         count = x.numel() // x.shape[1]
         if count < 2:
@@ -143,12 +157,13 @@ class Unitization2d(nn.Module):
                 f"statistics, got input of shape {tuple(x.shape)}; use mode='estimate' for batch size 1 "
                 f"on 1x1 maps")
         var, mean = torch.var_mean(x, dim=dims, correction=0)
-        with torch.no_grad():
-            self.num_batches_tracked.add_(1)
-            m = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-            self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), m)
-            unbiased = var.detach() * (count / (count - 1))
-            self.running_var.lerp_(unbiased.to(self.running_var.dtype), m)
+        if update:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                m = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+                self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), m)
+                unbiased = var.detach() * (count / (count - 1))
+                self.running_var.lerp_(unbiased.to(self.running_var.dtype), m)
         return mean, var
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,27 +174,55 @@ class Unitization2d(nn.Module):
             # mmdet's RoI heads can see zero RoIs: no statistics to take (they would be NaN and poison
             # the running buffers); keep the parameters in the graph for DDP.
             return x * 0 + sum(p.sum() for p in self.parameters()) * 0
+        if recompute_active(self, x):
+            return self._forward_recompute(x)
         in_dtype = x.dtype
         if in_dtype in (torch.float16, torch.bfloat16):
             x = x.float()  # squared sums over C*H*W overflow fp16
         mean, var = self._stage1_stats(x)
+        return self._unitize(x, mean, var, self.alpha, self.weight, self.bias).to(in_dtype)
+
+    def _forward_recompute(self, x: torch.Tensor) -> torch.Tensor:
+        """Training forward keeping only x (half inputs stay half) for backward. The parameters are
+        passed into the checkpointed part, so the recomputation uses the forward's tensors."""
+        params = (self.alpha, self.weight, self.bias)
+        if self.mode == 'estimate':
+            # estimates updated once, here; the checkpointed part gets copies of the values used now
+            mean, var = self._stage1_stats(x.float() if x.dtype in (torch.float16, torch.bfloat16) else x)
+            return checkpoint_once(self._estimate_recomputable, x, mean.clone(), var.clone(), *params)
+        return checkpoint_once(self._batch_recomputable, x, *params)
+
+    def _estimate_recomputable(self, first, x, mean, var, alpha, weight, bias):
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        return self._unitize(xf, mean.to(xf.dtype), var.to(xf.dtype), alpha, weight, bias).to(x.dtype)
+
+    def _batch_recomputable(self, first, x, alpha, weight, bias):
+        # batch statistics; the running statistics are updated by the forward call only
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        mean, var = self._stage1_stats(xf, update=first, training=True)
+        return self._unitize(xf, mean, var, alpha, weight, bias).to(x.dtype)
+
+    def _unitize(self, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, alpha: torch.Tensor, weight,
+                 bias) -> torch.Tensor:
+        """Stage 1 with the given statistics, then stage 2 and the affine (x in its compute dtype;
+        ``weight``/``bias`` None without affine)."""
         bshape = (1, -1) + (1,) * (x.dim() - 2)
         x_hat = (x - mean.view(bshape)) * torch.rsqrt(var.view(bshape) + self.eps)
         n = self.n if self.n is not None else float(x[0, 0].numel())
         s = x_hat.pow(2).flatten(1).sum(1) / n                                  # (N,)
         p = torch.rsqrt(s + self.eps)
-        alpha = self.alpha.to(x.dtype)
+        alpha = alpha.to(x.dtype)
         scale = p[:, None] * alpha[None, :] + (1.0 - alpha)[None, :]          # (N, C)
         if self.affine:
             # gamma * (scale * x_hat) + beta with the per-sample, per-channel factors fused.
-            scale = scale * self.weight.to(x.dtype)[None, :]
-            y = x_hat * scale.view(scale.shape + (1,) * (x.dim() - 2)) + self.bias.to(x.dtype).view(bshape)
-        else:
-            y = x_hat * scale.view(scale.shape + (1,) * (x.dim() - 2))
-        return y.to(in_dtype)
+            scale = scale * weight.to(x.dtype)[None, :]
+            return x_hat * scale.view(scale.shape + (1,) * (x.dim() - 2)) + bias.to(x.dtype).view(bshape)
+        return x_hat * scale.view(scale.shape + (1,) * (x.dim() - 2))
 
     def extra_repr(self) -> str:
         s = f'{self.num_features}, eps={self.eps}, affine={self.affine}, n={self.n or "H*W"}, mode={self.mode!r}'
+        if self.recompute:
+            s += ', recompute=True'
         if self.mode == 'estimate':
             rate = self.update_rate if self.update_rate is not None else 'lr (BCNRateHook)'
             return s + f', update_rate={rate}'

@@ -1,3 +1,4 @@
+import copy
 import math
 
 import pytest
@@ -7,6 +8,7 @@ from mmcv.cnn import build_norm_layer
 
 import normdense  # noqa: F401  (registers BCN)
 from normdense.layers.bcn import BatchChannelNorm2d, set_update_rate
+from tests.layers.recompute_checks import activation_bytes_per_element, assert_recompute_matches_plain, saved_bytes
 
 
 def random_affines(bcn, seed=0):
@@ -237,3 +239,125 @@ def test_convert_norm_keeps_float64():
         bn.running_mean.copy_(torch.tensor([0.1, 1 / 3, 2 / 7, 5 / 9], dtype=torch.float64))
     bcn = BatchChannelNorm2d.convert_norm(bn, num_groups=2)
     assert bcn.running_mean.dtype == torch.float64 and torch.equal(bcn.running_mean, bn.running_mean)
+
+
+# --- recompute=True: only the input is kept for backward, the rest is recomputed ------------------------
+
+def _bcn_with_state(mode, **kwargs):
+    kwargs = dict(kwargs, update_rate=0.3) if mode == 'estimate' else kwargs
+    bcn = random_affines(BatchChannelNorm2d(8, num_groups=4, mode=mode, **kwargs))
+    with torch.no_grad():
+        bcn.running_mean.copy_(torch.linspace(-1, 1, 8))
+        bcn.running_var.copy_(torch.linspace(0.5, 2, 8))
+    return bcn.train()
+
+
+@pytest.mark.parametrize('mode', ['estimate', 'batch'])
+@pytest.mark.parametrize('autocast, eval_before_backward', [(False, False), (True, False), (False, True)])
+def test_recompute_equals_plain_autograd(mode, autocast, eval_before_backward):
+    """Outputs, input and parameter gradients and statistics are identical with and without recompute,
+    for a layer called twice before one backward (a shared head over FPN levels: estimate mode moves the
+    estimates in between, so the first call's recomputation must use the values its forward used); the
+    statistics move once per call, as without recompute, and backward leaves them alone."""
+    torch.manual_seed(0)
+    bcn = _bcn_with_state(mode)
+    xs = [torch.randn(2, 8, 5, 6) * 2 + 1, torch.randn(1, 8, 3, 4) - 1]
+    if autocast:
+        xs = [x.bfloat16() for x in xs]
+    reference = copy.deepcopy(bcn)
+    with torch.no_grad():  # two training forwards without autograd: the statistics after two updates
+        for x in xs:
+            reference(x)
+    rec = assert_recompute_matches_plain(bcn, xs, autocast=autocast, eval_before_backward=eval_before_backward)
+    for name in ('running_mean', 'running_var'):
+        assert torch.equal(getattr(rec, name), getattr(reference, name))
+
+
+def test_recompute_gradcheck_float64():
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 3, 3, dtype=torch.float64, requires_grad=True)
+    for bcn in (BatchChannelNorm2d(4, num_groups=2, update_rate=0.0, recompute=True),
+                BatchChannelNorm2d(4, num_groups=2, mode='batch', group_affine=False, recompute=True)):
+        bcn = random_affines(bcn.double().train())
+        # values unlike the module's own parameters: the recomputation in backward must use these
+        params = {k: (v.detach() * 0.8 + 0.1).requires_grad_(True) for k, v in bcn.named_parameters()}
+
+        def f(inp, *ps):  # parameters passed in (functional_call)
+            return torch.func.functional_call(bcn, dict(zip(params, ps)), (inp, ))
+
+        assert torch.autograd.gradcheck(f, (x, *params.values()))
+
+
+@pytest.mark.parametrize('mode', ['estimate', 'batch'])
+def test_recompute_saves_only_the_input(mode):
+    """Bytes saved for backward (benchmarks/_timing.py's metric): plain BCN keeps two activation-sized
+    tensors, with recompute one, as nn.GroupNorm (plus channel-sized statistics)."""
+    x = torch.randn(2, 32, 8, 8)
+    gn = nn.GroupNorm(8, 32)
+    gn_total = saved_bytes(lambda: gn(x.clone().requires_grad_(True)), list(gn.parameters()))
+    gn_act = activation_bytes_per_element(gn, x)
+    kw = dict(update_rate=0.1) if mode == 'estimate' else {}
+    plain = BatchChannelNorm2d(32, 8, mode=mode, **kw).train()
+    rec = BatchChannelNorm2d(32, 8, mode=mode, recompute=True, **kw).train()
+    assert activation_bytes_per_element(plain, x) == pytest.approx(2 * gn_act)
+    assert activation_bytes_per_element(rec, x) <= 1.2 * gn_act
+    assert saved_bytes(lambda: rec(x.clone().requires_grad_(True)), list(rec.parameters())) <= 1.2 * gn_total
+
+
+def test_recompute_inactive_in_eval_without_grad_and_on_empty_input():
+    bcn = _bcn_with_state('estimate')
+    rec = copy.deepcopy(bcn)
+    rec.recompute = True
+    x = torch.randn(2, 8, 4, 4)
+    with torch.no_grad():
+        assert torch.equal(rec(x), bcn(x))  # training forward without autograd
+        torch.testing.assert_close(rec.running_mean, bcn.running_mean, rtol=0, atol=0)
+    rec.eval()
+    bcn.eval()
+    x.requires_grad_(True)
+    assert (saved_bytes(lambda: rec(x), list(rec.parameters()))
+            == saved_bytes(lambda: bcn(x), list(bcn.parameters())))
+    for mode in ('estimate', 'batch'):
+        layer = _bcn_with_state(mode, recompute=True)
+        before = layer.running_mean.clone()
+        empty = torch.zeros(0, 8, 7, 7, requires_grad=True)
+        layer(empty).sum().backward()
+        assert empty.grad.shape == empty.shape and torch.equal(layer.running_mean, before)
+
+
+def test_recompute_from_config_keeps_state_dict_keys():
+    _, layer = build_norm_layer(dict(type='BCN', num_groups=16, recompute=True), 64)
+    assert layer.recompute and 'recompute=True' in repr(layer)
+    assert not BatchChannelNorm2d(64, 16).recompute
+    assert set(layer.state_dict()) == set(BatchChannelNorm2d(64, 16).state_dict())
+    assert [n for n, _ in layer.named_parameters()] == [n for n, _ in BatchChannelNorm2d(64, 16).named_parameters()]
+
+
+def test_recompute_synced_batch_mode_runs_the_collective_once(monkeypatch):
+    """Batch mode with sync_stats in a (simulated) multi-process run: the all-reduce of the batch moments
+    runs once per forward, outside the recomputed part (never again in backward), and the result equals
+    the run without recompute."""
+    import torch.distributed.nn.functional as dist_fn
+
+    import normdense.layers.bcn as bcn_module
+    calls = []
+
+    def all_reduce(t):  # one process's view of a sum over processes: identity, counted
+        calls.append(t.shape)
+        return t.clone()
+
+    monkeypatch.setattr(bcn_module, '_world_size', lambda: 2)
+    monkeypatch.setattr(dist_fn, 'all_reduce', all_reduce)
+    bcn = _bcn_with_state('batch', sync_stats=True)
+    xs = [torch.randn(2, 8, 5, 6) * 2 + 1, torch.randn(1, 8, 3, 4) - 1]
+    assert_recompute_matches_plain(bcn, xs)
+    assert len(calls) == 2 * len(xs)  # once per forward, for each of the two runs
+
+
+def test_recompute_double_backward_raises():
+    """Gradients of gradients would not flow back through the recomputation: an error, not wrong values."""
+    bcn = _bcn_with_state('estimate', recompute=True)
+    x = torch.randn(2, 8, 3, 3, requires_grad=True)
+    (gx, ) = torch.autograd.grad(bcn(x).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match='once_differentiable|double backward|twice'):
+        gx.sum().backward()

@@ -1,9 +1,12 @@
+import copy
+
 import pytest
 import torch
 from mmcv.cnn import ConvModule, build_norm_layer
 
 import normdense  # noqa: F401  (registers IterNorm)
 from normdense.layers.iternorm import IterNorm, newton_whitening_matrix, zca_whitening_matrix
+from tests.layers.recompute_checks import activation_bytes_per_element, assert_recompute_matches_plain, saved_bytes
 
 
 def algorithm1_reference(x, group_sizes, eps, T):
@@ -259,3 +262,84 @@ def test_deeplabv3_train_step_with_iternorm_everywhere():
     assert isinstance(model.decode_head.image_pool[1].norm, IterNorm)  # 1x1 map, one observation: finite
     assert isinstance(model.backbone.stem[1], IterNorm) and losses['decode.loss_ce'] > 0
     assert model.backbone.stem[1].running_wm.abs().sum() > 0
+
+
+# --- recompute=True: only the input is kept for backward, the rest is recomputed ------------------------
+
+@pytest.mark.parametrize('kwargs, shapes', [
+    (dict(group_size=4), [(2, 10, 4, 5), (1, 10, 3, 3)]),          # two blocks (groups 4, 4, 2)
+    (dict(group_size=3, method='zca', eps=1e-3), [(2, 6, 4, 4), (3, 6, 2, 3)]),
+    (dict(group_size=8), [(16, 8), (5, 8)]),                         # (N, C) features
+])
+@pytest.mark.parametrize('autocast, eval_before_backward', [(False, False), (True, False), (False, True)])
+def test_recompute_equals_plain_autograd(kwargs, shapes, autocast, eval_before_backward):
+    """Outputs, gradients and running statistics are identical with and without recompute, for a layer
+    called twice before one backward; the running statistics (Eq. 8) move once per call and backward
+    leaves them alone."""
+    layer = IterNorm(shapes[0][1], **kwargs)
+    with torch.no_grad():
+        layer.weight.uniform_(0.5, 1.5)
+        layer.bias.uniform_(-1, 1)
+    xs = [correlated(s[0], s[1], *(s[2:] or (1, 1)), seed=i).float().reshape(s) for i, s in enumerate(shapes)]
+    if autocast:
+        xs = [x.bfloat16() for x in xs]
+    reference = copy.deepcopy(layer)
+    with torch.no_grad():
+        for x in xs:
+            reference(x)
+    rec = assert_recompute_matches_plain(layer.train(), xs, autocast=autocast,
+                                         eval_before_backward=eval_before_backward)
+    for name in ('running_mean', 'running_wm'):
+        assert torch.equal(getattr(rec, name), getattr(reference, name))
+
+
+def test_recompute_gradcheck_float64():
+    x = correlated(2, 6, 3, 3, seed=5).requires_grad_(True)
+    for layer in (IterNorm(6, group_size=4, T=5, eps=1e-3, recompute=True),
+                  IterNorm(6, group_size=3, eps=1e-3, method='zca', recompute=True)):
+        layer = layer.double()
+        w = layer.weight.detach().clone().uniform_(0.5, 1.5).requires_grad_(True)
+        b = layer.bias.detach().clone().uniform_(-1, 1).requires_grad_(True)
+
+        def f(inp, weight, bias):  # parameters unlike the module's: the recomputation must use these
+            return torch.func.functional_call(layer, {'weight': weight, 'bias': bias}, (inp, ))
+
+        assert torch.autograd.gradcheck(f, (x, w, b))
+
+
+def test_recompute_saves_only_the_input():
+    """Bytes saved for backward (benchmarks/_timing.py's metric): plain IterNorm keeps two activation-
+    sized tensors (centred groups and whitened output), with recompute one, as nn.GroupNorm."""
+    x = torch.randn(2, 32, 8, 8)
+    gn = torch.nn.GroupNorm(8, 32)
+    gn_total = saved_bytes(lambda: gn(x.clone().requires_grad_(True)), list(gn.parameters()))
+    gn_act = activation_bytes_per_element(gn, x)
+    plain, rec = IterNorm(32, group_size=16), IterNorm(32, group_size=16, recompute=True)
+    assert activation_bytes_per_element(plain, x) == pytest.approx(2 * gn_act)
+    assert activation_bytes_per_element(rec, x) <= 1.2 * gn_act
+    assert saved_bytes(lambda: rec(x.clone().requires_grad_(True)), list(rec.parameters())) <= 1.2 * gn_total
+
+
+def test_recompute_inactive_in_eval_without_grad_and_on_empty_input():
+    layer = IterNorm(8, group_size=4)
+    rec = IterNorm(8, group_size=4, recompute=True)
+    x = torch.randn(2, 8, 4, 4)
+    with torch.no_grad():
+        assert torch.equal(rec(x), layer(x))
+        assert torch.equal(rec.running_wm, layer.running_wm)
+    rec.eval()
+    layer.eval()
+    x.requires_grad_(True)
+    assert (saved_bytes(lambda: rec(x), list(rec.parameters()))
+            == saved_bytes(lambda: layer(x), list(layer.parameters())))
+    rec.train()
+    empty = torch.zeros(0, 8, 7, 7, requires_grad=True)
+    before = rec.running_wm.clone()
+    rec(empty).sum().backward()
+    assert rec.weight.grad is not None and torch.equal(rec.running_wm, before)
+
+
+def test_recompute_from_config_keeps_state_dict_keys():
+    _, layer = build_norm_layer(dict(type='IterNorm', group_size=16, recompute=True), 48)
+    assert layer.recompute and 'recompute=True' in repr(layer) and not IterNorm(48).recompute
+    assert set(layer.state_dict()) == set(IterNorm(48, group_size=16).state_dict())

@@ -1,4 +1,5 @@
 """WS conv + BCN everywhere mmdet's Mask R-CNN and mmseg's DeepLabV3 accept conv_cfg/norm_cfg."""
+import torch
 from mmcv.cnn import ConvModule
 
 from normdense.layers.bcn import BatchChannelNorm2d
@@ -33,3 +34,18 @@ def test_deeplabv3_ws_bcn_training_step_batch_one():
     bcns, moved = _bcn_estimates_moved(model)
     assert moved and any(isinstance(m.norm, BatchChannelNorm2d) for m in model.decode_head.image_pool.modules()
                          if isinstance(m, ConvModule))
+
+
+def test_mask_rcnn_ws_bcn_recompute_equals_plain_training_step():
+    """norm_cfg recompute=True through the whole detector (backbone, FPN, shared bbox convs, mask head;
+    RoI heads see a varying number of RoIs): one SGD step gives the same losses, estimates and updated
+    weights as without recompute."""
+    plain, losses = det_train_step(mask_rcnn_cfg(conv_cfg=WS, norm_cfg=BCN))
+    rec, rec_losses = det_train_step(mask_rcnn_cfg(conv_cfg=WS, norm_cfg=dict(BCN, recompute=True)))
+    bcns, moved = _bcn_estimates_moved(rec)
+    assert moved and all(m.recompute for m in bcns)
+    assert rec_losses == losses
+    state, rec_state = plain.state_dict(), rec.state_dict()
+    assert state.keys() == rec_state.keys()
+    for k, v in state.items():
+        torch.testing.assert_close(rec_state[k], v, rtol=1e-6, atol=1e-7, msg=k)
