@@ -8,9 +8,9 @@ PYTEST_ARGS ?=
 .PHONY: install demo test test-fast self-check clean-venv help
 
 help:
-	@echo "make demo        install if needed, then train + evaluate Mask R-CNN (BCN+WS) on toy COCO"
+	@echo "make demo        install if needed, then pretrain a backbone (toy ImageNet), convert it, fine-tune + evaluate Mask R-CNN (BCN+WS) on toy COCO"
 	@echo "make test        install if needed, then run the whole test suite"
-	@echo "make demo-seg    install if needed, then train + evaluate DeepLabV3 (BCN+WS) on toy VOC (in progress)"
+	@echo "make demo-seg    install if needed, then train + evaluate DeepLabV3 (BCN+WS) on toy VOC"
 	@echo "make install     create $(VENV) with the pinned OpenMMLab stack and normdense (idempotent)"
 	@echo "make test-fast   the test suite without tests marked slow"
 	@echo "make self-check  import the stack and print versions"

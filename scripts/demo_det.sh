@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
-# `make demo`: toy COCO -> Mask R-CNN with BCN+WS at 2 images per batch on CPU -> COCO AP -> a PNG of
-# predictions. Everything runs through the user-facing tools (tools/train.py, tools/test.py).
+# `make demo`: the whole used-by workflow on toy data, through the tools users run:
+#   toy ImageNet -> pretrain a ResNet-18 with WS + BCN (tools/train.py, mmpretrain)
+#   -> convert it into an mmdet backbone (tools/convert_checkpoint.py, cached in checkpoints/)
+#   -> fine-tune Mask R-CNN with BCN+WS at 2 images per batch on toy COCO (tools/train.py, mmdet)
+#   -> COCO AP on toy val (tools/test.py, mmdet's CocoMetric) -> a PNG of predictions.
+# The pretraining is skipped when the converted backbone already exists (delete it to redo it).
+# Threads: an already set OMP_NUM_THREADS wins; otherwise torch uses one per core.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${VENV:-.venv}/bin/python"
 CONFIG=configs/demo/mask-rcnn_r18_fpn_bcn-ws_toy-coco.py
+PRE_CONFIG=configs/demo/resnet18_bcn-ws_toy-imagenet.py
+PRE_WORK=work_dirs/resnet18_bcn-ws_toy-imagenet
+BACKBONE=checkpoints/resnet18_bcn-ws_toy.pth   # what $CONFIG's init_cfg loads
 WORK=${WORK:-work_dirs/demo_det}
 START=$(date +%s)
 stamp() { echo "==> [demo $(( $(date +%s) - START ))s] $*"; }
@@ -13,9 +21,22 @@ if [ ! -f data/toy_coco/annotations/instances_val.json ]; then
   stamp "generating toy COCO (data/toy_coco)"
   "$PY" tools/make_toy_coco.py
 fi
-stamp "training $CONFIG (log: $WORK/)"
+if [ -e "$BACKBONE" ]; then
+  stamp "pretrained backbone $BACKBONE found: skipping the pretraining (delete it to redo it)"
+else
+  if [ ! -f data/toy_imagenet/meta/val.txt ]; then
+    stamp "generating toy ImageNet (data/toy_imagenet)"
+    "$PY" tools/make_toy_imagenet.py
+  fi
+  stamp "pretraining $PRE_CONFIG (log: $PRE_WORK/)"
+  "$PY" tools/train.py "$PRE_CONFIG" --work-dir "$PRE_WORK"
+  PRE_CKPT="$PRE_WORK/$(xargs basename < "$PRE_WORK/last_checkpoint")"
+  stamp "converting $PRE_CKPT into the mmdet backbone $BACKBONE"
+  "$PY" tools/convert_checkpoint.py "$PRE_CKPT" "$BACKBONE" --to mmdet
+fi
+stamp "fine-tuning $CONFIG (log: $WORK/)"
 "$PY" tools/train.py "$CONFIG" --work-dir "$WORK" "$@"
-CKPT="$WORK/$(cat "$WORK/last_checkpoint" | xargs basename)"
+CKPT="$WORK/$(xargs basename < "$WORK/last_checkpoint")"
 stamp "evaluating $CKPT on toy val (COCO AP via mmdet's CocoMetric)"
 "$PY" tools/test.py "$CONFIG" "$CKPT" --work-dir "$WORK" --show-dir vis --out "$WORK/predictions.pkl" 2>&1 \
   | tee "$WORK/test_output.log" | grep -E "Average (Precision|Recall)|Evaluating|_mAP_copypaste|Epoch\(test\).*coco" || true

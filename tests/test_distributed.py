@@ -21,7 +21,7 @@ def run_two_ranks(tmp_path, data_root, sync):
     cfg.write_text(f"""_base_ = {DEMO!r}
 custom_imports = dict(imports=['normdense', 'tests.toy_runner'], allow_failed_imports=False)
 data_root = {data_root!r}
-model = dict(backbone=dict(norm_cfg=dict(sync_stats={sync})), neck=dict(norm_cfg=dict(sync_stats={sync})),
+model = dict(backbone=dict(init_cfg=None, norm_cfg=dict(sync_stats={sync})), neck=dict(norm_cfg=dict(sync_stats={sync})),
              roi_head=dict(bbox_head=dict(norm_cfg=dict(sync_stats={sync})), mask_head=dict(norm_cfg=dict(sync_stats={sync}))))
 train_dataloader = dict(batch_size=1, dataset=dict(data_root=data_root))
 val_dataloader = None

@@ -136,7 +136,8 @@ def test_tools_test_reports_coco_bbox_and_segm_ap(toy_coco, tmp_path):
             f'test_dataloader.dataset.data_root={toy_coco}',
             f'val_evaluator.ann_file={toy_coco}annotations/instances_val.json',
             f'test_evaluator.ann_file={toy_coco}annotations/instances_val.json',
-            'train_cfg.max_iters=3', 'train_cfg.val_interval=3', 'default_hooks.checkpoint.interval=3']
+            'train_cfg.max_iters=3', 'train_cfg.val_interval=3', 'default_hooks.checkpoint.interval=3',
+            'model.backbone.init_cfg=None']  # from scratch: the demo's pretrained backbone is not needed here
     work = tmp_path / 'work'
     run = lambda *a: subprocess.run([sys.executable, *a], cwd=ROOT, capture_output=True, text=True, timeout=600)
     trained = run('tools/train.py', DEMO_CONFIG, '--work-dir', str(work), '--cfg-options', *opts)
