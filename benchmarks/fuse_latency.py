@@ -18,24 +18,37 @@ import os.path as osp
 import sys
 
 import torch
+import torch.nn as nn
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks._timing import conditions, interleaved_times, median_iqr  # noqa: E402
 
 
-def randomize_bcn_(model, seed=0):
+def randomize_norms_(model, seed=0):
+    """Non-trivial eval statistics and affines of every BCN and BatchNorm2d, as a trained model would have
+    (the latency does not depend on them; the output checks do). Returns the model."""
     from normdense.layers.bcn import BatchChannelNorm2d
     g = torch.Generator().manual_seed(seed)
+
+    def uniform_(t, lo, hi):
+        t.copy_(torch.rand(t.shape, generator=g) * (hi - lo) + lo)
+
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, BatchChannelNorm2d):
-                m.running_mean.copy_(torch.rand(m.running_mean.shape, generator=g) - 0.5)
-                m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) * 1.7 + 0.3)
-                for p in (m.batch_weight, m.weight):
-                    p.copy_(torch.rand(p.shape, generator=g) + 0.5)
-                for p in (m.batch_bias, m.bias):
-                    p.copy_((torch.rand(p.shape, generator=g) - 0.5) * 0.6)
+                weights, biases = (m.batch_weight, m.weight), (m.batch_bias, m.bias)
+            elif isinstance(m, nn.BatchNorm2d):
+                weights, biases = (m.weight, ), (m.bias, )
+            else:
+                continue
+            uniform_(m.running_mean, -0.5, 0.5)
+            uniform_(m.running_var, 0.3, 2.0)
+            for p in weights:
+                uniform_(p, 0.5, 1.5)
+            for p in biases:
+                uniform_(p, -0.3, 0.3)
+    return model
 
 
 def main(argv=None):
@@ -52,7 +65,7 @@ def main(argv=None):
     from tests.mm_models import build_detector, mask_rcnn_cfg
     torch.manual_seed(0)
     model = build_detector(mask_rcnn_cfg(conv_cfg=dict(type='WSConv2d'), norm_cfg=dict(type='BCN', num_groups=16)))
-    randomize_bcn_(model)
+    randomize_norms_(model)
     model.eval()
     stats = {}
     fused = fuse(copy.deepcopy(model), stats=stats)

@@ -34,6 +34,7 @@ import torch.nn as nn
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks._timing import conditions, interleaved_times, median_iqr  # noqa: E402
+from benchmarks.fuse_latency import randomize_norms_  # noqa: E402
 
 TARGET = 1.05
 
@@ -43,45 +44,15 @@ def resnet50(**kwargs):
     return ResNet(depth=50, num_stages=4, out_indices=(0, 1, 2, 3), style='pytorch', **kwargs)
 
 
-def randomize_norms_(model, seed=0):
-    """Non-trivial eval statistics and affines (the latency does not depend on them; the output checks do)."""
-    from normdense.layers.bcn import BatchChannelNorm2d
-    g = torch.Generator().manual_seed(seed)
-
-    def r(t, lo, hi):
-        return torch.rand(t.shape, generator=g) * (hi - lo) + lo
-
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, (BatchChannelNorm2d, nn.BatchNorm2d)):
-                m.running_mean.copy_(r(m.running_mean, -0.5, 0.5))
-                m.running_var.copy_(r(m.running_var, 0.3, 2.0))
-            if isinstance(m, BatchChannelNorm2d):
-                for p in (m.batch_weight, m.weight):
-                    p.copy_(r(p, 0.5, 1.5))
-                for p in (m.batch_bias, m.bias):
-                    p.copy_(r(p, -0.3, 0.3))
-            elif isinstance(m, nn.BatchNorm2d):
-                m.weight.copy_(r(m.weight, 0.5, 1.5))
-                m.bias.copy_(r(m.bias, -0.3, 0.3))
-    return model
-
-
 def fold_bn_(module):
-    """Fold every eval-mode BatchNorm2d of an mmdet ResNet into the conv before it (stem and blocks:
-    ``conv{k}`` -> ``norm{k}_name``; downsample branches: consecutive children of ``nn.Sequential``).
+    """Fold every eval-mode BatchNorm2d of ``module`` into the conv before it, at the conv -> norm
+    adjacencies ``normdense.deploy.fuse`` knows (mmdet ResNet stem and blocks, downsample Sequentials).
     Returns the number of folded pairs."""
     from torch.nn.utils.fusion import fuse_conv_bn_eval
-    pairs = []
-    for k in (1, 2, 3):
-        name = getattr(module, f'norm{k}_name', None)
-        if f'conv{k}' in module._modules and isinstance(name, str) and name in module._modules:
-            pairs.append((f'conv{k}', name))
-    if isinstance(module, nn.Sequential):
-        names = list(module._modules)
-        pairs += list(zip(names, names[1:]))
+
+    from normdense.deploy.fuse import _conv_norm_pairs
     n = 0
-    for conv_name, bn_name in pairs:
+    for conv_name, bn_name in _conv_norm_pairs(module):
         conv, bn = module._modules[conv_name], module._modules[bn_name]
         if type(conv) is nn.Conv2d and isinstance(bn, nn.BatchNorm2d):
             setattr(module, conv_name, fuse_conv_bn_eval(conv, bn))

@@ -51,6 +51,12 @@ from .bcn import update_estimates_
 UNITIZATION_MODES = ('batch', 'estimate')
 
 
+def _compute_input(x: torch.Tensor) -> torch.Tensor:
+    """x in the dtype the layer computes in: half inputs in float32 (squared sums over C*H*W overflow
+    fp16)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 class Unitization2d(nn.Module):
     """Unitization layer (Algorithm 2); see the module docstring.
 
@@ -176,11 +182,9 @@ class Unitization2d(nn.Module):
             return x * 0 + sum(p.sum() for p in self.parameters()) * 0
         if recompute_active(self, x):
             return self._forward_recompute(x)
-        in_dtype = x.dtype
-        if in_dtype in (torch.float16, torch.bfloat16):
-            x = x.float()  # squared sums over C*H*W overflow fp16
-        mean, var = self._stage1_stats(x)
-        return self._unitize(x, mean, var, self.alpha, self.weight, self.bias).to(in_dtype)
+        xf = _compute_input(x)
+        mean, var = self._stage1_stats(xf)
+        return self._unitize(xf, mean, var, self.alpha, self.weight, self.bias).to(x.dtype)
 
     def _forward_recompute(self, x: torch.Tensor) -> torch.Tensor:
         """Training forward keeping only x (half inputs stay half) for backward. The parameters are
@@ -188,17 +192,17 @@ class Unitization2d(nn.Module):
         params = (self.alpha, self.weight, self.bias)
         if self.mode == 'estimate':
             # estimates updated once, here; the checkpointed part gets copies of the values used now
-            mean, var = self._stage1_stats(x.float() if x.dtype in (torch.float16, torch.bfloat16) else x)
+            mean, var = self._stage1_stats(_compute_input(x))
             return checkpoint_once(self._estimate_recomputable, x, mean.clone(), var.clone(), *params)
         return checkpoint_once(self._batch_recomputable, x, *params)
 
     def _estimate_recomputable(self, first, x, mean, var, alpha, weight, bias):
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        xf = _compute_input(x)
         return self._unitize(xf, mean.to(xf.dtype), var.to(xf.dtype), alpha, weight, bias).to(x.dtype)
 
     def _batch_recomputable(self, first, x, alpha, weight, bias):
         # batch statistics; the running statistics are updated by the forward call only
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        xf = _compute_input(x)
         mean, var = self._stage1_stats(xf, update=first, training=True)
         return self._unitize(xf, mean, var, alpha, weight, bias).to(x.dtype)
 

@@ -368,8 +368,8 @@ def test_demo_config_train_step_batch1(voc_root, tmp_path, pretty_text_fast):
     assert pool_norm.mode == 'estimate' and pool_norm.current_rate > 0
 
 
-def _load_script(name):
-    spec = importlib.util.spec_from_file_location(name, osp.join(ROOT, 'scripts', f'{name}.py'))
+def _load_script(name, folder='scripts'):
+    spec = importlib.util.spec_from_file_location(f'{folder}_{name}', osp.join(ROOT, folder, f'{name}.py'))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -396,7 +396,7 @@ def test_tools_test_reports_miou(voc_root, tmp_path, pretty_text_fast):
     mIoU when recomputed independently (scripts/demo_seg.py's functions)."""
     import numpy as np
     from PIL import Image
-    train, test = _load_script_tool('train'), _load_script_tool('test')
+    train, test = _load_script('train', 'tools'), _load_script('test', 'tools')
     work = tmp_path / 'work'
     opts = ['--cfg-options', *toy_cfg_options(DEMO_CONFIG, voc_root)]
     train.main([DEMO_CONFIG, '--work-dir', str(work), *opts, 'train_cfg.max_iters=3',
@@ -415,10 +415,3 @@ def test_tools_test_reports_miou(voc_root, tmp_path, pretty_text_fast):
     png = demo.render_predictions(preds, str(tmp_path / 'p.png'), num_show=2)
     w, h = Image.open(png).size
     assert w > 300 and h > 200
-
-
-def _load_script_tool(name):
-    spec = importlib.util.spec_from_file_location(f'tools_{name}', osp.join(ROOT, 'tools', f'{name}.py'))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod

@@ -4,26 +4,11 @@ import contextlib
 import copy
 from typing import List
 
+import pytest
 import torch
 import torch.nn as nn
 
-
-def saved_bytes(fn, exclude: List[torch.Tensor]) -> int:
-    """Bytes of the distinct storages autograd saves for backward during ``fn()``, ``exclude`` (the
-    parameters) not counted; the metric of benchmarks/_timing.py's ``saved_activation_bytes``."""
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    seen = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    del out
-    return sum(seen.values())
+from benchmarks._timing import saved_activation_bytes as saved_bytes  # the layer benchmark's metric
 
 
 def activation_bytes_per_element(layer: nn.Module, x: torch.Tensor) -> float:
@@ -33,6 +18,18 @@ def activation_bytes_per_element(layer: nn.Module, x: torch.Tensor) -> float:
     x2 = torch.cat([x.detach(), x.detach()], dim=2).requires_grad_(True)
     params = list(layer.parameters())
     return (saved_bytes(lambda: layer(x2), params) - saved_bytes(lambda: layer(x1), params)) / x.numel()
+
+
+def assert_saves_only_the_input(plain: nn.Module, rec: nn.Module, x: torch.Tensor, plain_factor: float):
+    """Bytes saved for backward (benchmarks/_timing.py's metric), against an nn.GroupNorm on the same
+    input: ``plain`` keeps ``plain_factor`` activation-sized tensors, ``rec`` (recompute on) at most 1.2x
+    nn.GroupNorm's, per input element and in total (weight-sized part included)."""
+    gn = nn.GroupNorm(8, x.shape[1])
+    gn_total = saved_bytes(lambda: gn(x.clone().requires_grad_(True)), list(gn.parameters()))
+    gn_act = activation_bytes_per_element(gn, x)
+    assert activation_bytes_per_element(plain, x) == pytest.approx(plain_factor * gn_act)
+    assert activation_bytes_per_element(rec, x) <= 1.2 * gn_act
+    assert saved_bytes(lambda: rec(x.clone().requires_grad_(True)), list(rec.parameters())) <= 1.2 * gn_total
 
 
 def assert_recompute_matches_plain(layer: nn.Module, inputs: List[torch.Tensor], autocast: bool = False,
