@@ -72,6 +72,8 @@ class BackboneSpec:
     avg_down: bool = False
     proxy_norm: bool = False  # PNResNet wiring (GN+PN)
     plain_norm_cfg: Optional[dict] = None  # PNResNet's norm before the residual add / downsample
+    stem_channels: int = 64  # output channels of the stem (a narrower ResNet, e.g. a demo's, has fewer)
+    base_channels: int = 64  # channels of the first stage (doubled per stage)
 
     def to_cfg(self, target: str) -> dict:
         """The backbone cfg for an mmdet or mmseg config (without out_indices, strides, init_cfg...)."""
@@ -95,6 +97,8 @@ class BackboneSpec:
             if self.avg_down:
                 extra['avg_down'] = True
         cfg = dict(type=arch, depth=self.depth, **extra)
+        if (self.stem_channels, self.base_channels) != (64, 64):
+            cfg.update(stem_channels=self.stem_channels, base_channels=self.base_channels)
         cfg['conv_cfg'] = copy.deepcopy(self.conv_cfg)
         cfg['norm_cfg'] = copy.deepcopy(self.norm_cfg)
         return cfg
@@ -267,6 +271,18 @@ def infer_layout(sd) -> Tuple[int, bool, bool]:
     deep_stem = any(k.startswith('stem.') for k in sd)
     avg_down = any(re.match(r'layer\d+\.\d+\.downsample\.2\.', k) for k in sd)
     return depth, deep_stem, avg_down
+
+
+def infer_widths(sd) -> Tuple[int, int]:
+    """(stem_channels, base_channels) from backbone weights in mmdet/mmseg naming: the last stem conv's
+    (or ``conv1``'s) output channels and the first block's ``conv1`` output channels. A source missing
+    those keys gets the standard (64, 64); the target check then lists what is missing."""
+    stem_convs = sorted((int(m.group(1)), k) for k in sd
+                        for m in [re.fullmatch(r'stem\.(\d+)\.weight', k)] if m and sd[k].dim() == 4)
+    stem_key = stem_convs[-1][1] if stem_convs else 'conv1.weight'
+    if stem_key not in sd or 'layer1.0.conv1.weight' not in sd:
+        return 64, 64
+    return int(sd[stem_key].shape[0]), int(sd['layer1.0.conv1.weight'].shape[0])
 
 
 def sequential_stem(sd) -> Tuple['OrderedDict[str, torch.Tensor]', bool]:
@@ -705,6 +721,7 @@ def convert_backbone(ckpt, to: str, source: Optional[str] = None, norm: Optional
         raise ConversionError('--bcn-mode applies to torchvision sources only (the mode does not change the '
                               'weights: set it in the fine-tuning config)')
     out, spec, dropped, created, choices, notes = _CONVERTERS[source](sd, meta, **kwargs)
+    spec.stem_channels, spec.base_channels = infer_widths(out)
     missing, unexpected, mismatched = check_against_target(out, spec, to)
     if to == 'mmseg' and not spec.deep_stem and not spec.proxy_norm:
         notes.append("plain 7x7 stem: load it with type='ResNet' (deep_stem=False); mmseg's DeepLabV3 configs use "

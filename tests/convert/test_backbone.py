@@ -97,6 +97,37 @@ def test_pretrain_convert_load_round_trip(name, toy_imagenet, tmp_path):
         assert out.shape[-1] == 8 and torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize('name', ['resnet50_bcn-ws_in1k', 'resnet50-v1c_bcn-ws_in1k'])
+def test_narrow_resnet_round_trip(name, toy_imagenet, tmp_path):
+    """A half-width ResNet-18 (stem and base 32 channels, as the segmentation demo's) converts to a backbone
+    cfg that carries its widths and loads strictly with identical features."""
+    cfg = reduced_cfg(name, toy_imagenet, tmp_path / 'work')
+    cfg.model.backbone.update(stem_channels=32, base_channels=32, norm_cfg=dict(cfg.model.backbone.norm_cfg,
+                                                                                 num_groups=16))
+    cfg.model.head.in_channels = 256
+    ckpt = pretrain(cfg)
+    classifier = build_classifier(cfg, ckpt)
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = classifier.backbone(x)[-1]
+    for target in ('mmdet', 'mmseg'):
+        conv = convert_backbone(load_source(ckpt), target)
+        assert conv.complete, conv.report()
+        assert (conv.backbone_cfg['stem_channels'], conv.backbone_cfg['base_channels']) == (32, 32)
+        dst = str(tmp_path / f'{target}.pth')
+        save_backbone_checkpoint(conv, dst, source_path=ckpt)
+        backbone = build_backbone(target, conv.backbone_cfg, checkpoint=dst)  # strict
+        with torch.no_grad():
+            out = backbone(x)[-1]
+        assert out.shape[1] == 256 and torch.equal(out, expected), (out - expected).abs().max()
+
+
+def test_standard_widths_stay_out_of_the_backbone_cfg(toy_imagenet, tmp_path):
+    cfg = reduced_cfg('resnet50-v1c_bcn-ws_in1k', toy_imagenet, tmp_path / 'work', max_iters=1)
+    conv = convert_backbone(load_source(pretrain(cfg)), 'mmseg')
+    assert conv.complete and 'stem_channels' not in conv.backbone_cfg and 'base_channels' not in conv.backbone_cfg
+
+
 def test_sequential_stem_renames_convmodule_stem():
     sd = {'stem.0.conv.weight': 0, 'stem.0.bcn.weight': 1, 'stem.2.conv.weight': 2, 'stem.2.bcn.running_mean': 3,
           'layer1.0.conv1.weight': 4}
