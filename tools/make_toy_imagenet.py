@@ -3,7 +3,7 @@
 
 See docs/toy_data.md.
 
-    python tools/make_toy_imagenet.py                   # data/toy_imagenet, 500 train / 100 val
+    python tools/make_toy_imagenet.py                   # data/toy_imagenet, 5000 train / 100 val
     python tools/make_toy_imagenet.py --num-train 10 --num-val 5 --out /tmp/inet
 """
 import argparse
@@ -23,7 +23,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--out', default='data/toy_imagenet', help='output root (default: %(default)s)')
-    p.add_argument('--num-train', type=int, default=500,
+    p.add_argument('--num-train', type=int, default=5000,
                    help='train images, labels cycle through the classes (default: %(default)s)')
     p.add_argument('--num-val', type=int, default=100, help='val images (default: %(default)s)')
     p.add_argument('--size', type=int, default=160,

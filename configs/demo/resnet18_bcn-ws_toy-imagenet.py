@@ -1,6 +1,6 @@
 # Toy ImageNet-style pretraining of a ResNet-18 with BCN+WS, the first step of the demo chain
 # pretrain -> tools/convert_checkpoint.py -> fine-tune (docs/pretraining.md):
-#   python tools/make_toy_imagenet.py                          # data/toy_imagenet: 500 train / 100 val, 5 shapes
+#   python tools/make_toy_imagenet.py                          # data/toy_imagenet: 5000 train / 100 val, 5 shapes
 #   python tools/train.py configs/demo/resnet18_bcn-ws_toy-imagenet.py
 #   python tools/convert_checkpoint.py work_dirs/resnet18_bcn-ws_toy-imagenet/iter_1000.pth \
 #       checkpoints/resnet18_bcn-ws_toy.pth --to mmdet
@@ -8,8 +8,9 @@
 # (formula 'paper') and estimate-mode BCN with 32 groups, BCNRateHook (r = lr), here at 8 images per batch
 # on 64x64 random-resized crops of the 160x160 toy images (the dominant shape then has about the size of
 # the toy COCO objects at 160x160) so that it runs on 2 CPU cores in a few minutes; evaluation resizes to
-# 80 and center-crops 64 (the same object scale as the training crops). See docs/pretraining.md for the
-# measured time and accuracy.
+# 80 and center-crops 64 (the same object scale as the training crops). Crops keep 60-100 % of the image
+# (smaller ones often cut the dominant shape, i.e. its class, away) and SGD runs at lr 0.1: measured
+# top-1 82 % against 64 % with 40-100 % crops and lr 0.05 (docs/pretraining.md).
 _base_ = ['mmpretrain::_base_/models/resnet18.py', 'mmpretrain::_base_/default_runtime.py']
 custom_imports = dict(imports=['normdense'], allow_failed_imports=False)
 
@@ -25,7 +26,7 @@ data_preprocessor = dict(num_classes=len(classes), mean=[123.675, 116.28, 103.53
                          to_rgb=True)
 train_pipeline = [
     dict(type='LoadImageFromFile'),
-    dict(type='RandomResizedCrop', scale=crop, crop_ratio_range=(0.4, 1.0)),
+    dict(type='RandomResizedCrop', scale=crop, crop_ratio_range=(0.6, 1.0)),
     dict(type='RandomFlip', prob=0.5, direction='horizontal'),
     dict(type='PackInputs'),
 ]
@@ -52,7 +53,7 @@ test_evaluator = val_evaluator
 train_cfg = dict(type='IterBasedTrainLoop', max_iters=max_iters, val_interval=max_iters)
 val_cfg = dict()
 test_cfg = dict()
-optim_wrapper = dict(optimizer=dict(type='SGD', lr=0.05, momentum=0.9, weight_decay=1e-4))
+optim_wrapper = dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9, weight_decay=1e-4))
 param_scheduler = [
     dict(type='LinearLR', start_factor=0.1, by_epoch=False, begin=0, end=50),
     dict(type='CosineAnnealingLR', by_epoch=False, begin=50, end=max_iters, eta_min=0.0),

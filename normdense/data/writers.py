@@ -233,7 +233,7 @@ def write_voc(out_dir: str = 'data/toy_voc', num_train: int = 256, num_val: int 
 # ImageNet layout
 
 
-def write_imagenet(out_dir: str = 'data/toy_imagenet', num_train: int = 500, num_val: int = 100,
+def write_imagenet(out_dir: str = 'data/toy_imagenet', num_train: int = 5000, num_val: int = 100,
                    size: int = 160, seed: int = 0, max_distractors: int = 2) -> Dict[str, dict]:
     """Write ``{train,val}/<class>/<split>_NNNNNN.JPEG`` plus ``meta/{train,val}.txt`` (lines
     ``<class>/<file> <label>``) and ``meta/classes.txt``.
