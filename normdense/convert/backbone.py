@@ -274,12 +274,10 @@ def infer_layout(sd) -> Tuple[int, bool, bool]:
 
 
 def infer_widths(sd) -> Tuple[int, int]:
-    """(stem_channels, base_channels) from backbone weights in mmdet/mmseg naming: the last stem conv's
-    (or ``conv1``'s) output channels and the first block's ``conv1`` output channels. A source missing
-    those keys gets the standard (64, 64); the target check then lists what is missing."""
-    stem_convs = sorted((int(m.group(1)), k) for k in sd
-                        for m in [re.fullmatch(r'stem\.(\d+)\.weight', k)] if m and sd[k].dim() == 4)
-    stem_key = stem_convs[-1][1] if stem_convs else 'conv1.weight'
+    """(stem_channels, base_channels) from backbone weights in mmdet/mmseg naming: the stem's last conv
+    (``stem.6`` of the three-conv deep stem, else ``conv1``) and the first block's ``conv1`` give them. A
+    source missing those keys gets the standard (64, 64); the target check then lists what is missing."""
+    stem_key = 'stem.6.weight' if 'stem.6.weight' in sd else 'conv1.weight'
     if stem_key not in sd or 'layer1.0.conv1.weight' not in sd:
         return 64, 64
     return int(sd[stem_key].shape[0]), int(sd['layer1.0.conv1.weight'].shape[0])
