@@ -11,13 +11,16 @@
 Every stage runs in its own process; its wall-clock time and CPU time (user + system of the child
 process, which is what the machine's other users lose) are measured and reported.
 
-The stages run with one intra-op thread (``OMP_NUM_THREADS=1``, ``--threads``): on 2 cores shared
-with other jobs, torch's default of 2 OpenMP threads per process oversubscribes the cores and the
-threads spin-wait for each other; a training iteration of this config measured 6.3 s of CPU with 2
-threads against 0.19 s with 1 thread on the busy machine. An already set ``OMP_NUM_THREADS`` wins.
+The stages run with 2 intra-op threads by default (``OMP_NUM_THREADS=2``, ``--threads``): on 2 idle
+cores a training iteration of this config measured 0.09 s with 2 threads against 0.13 s with 1.
+On cores shared with other jobs, use ``--threads 1``: 2 OpenMP threads per process then
+oversubscribe the cores and spin-wait for each other (6.3 s of CPU per iteration with 2 threads
+against 0.19 s with 1 thread, measured on a busy machine). Two processes with one image each
+(``--launcher pytorch``) were slower still (0.17 s per iteration: BCN's estimates and the gradients
+are all-reduced every iteration). An already set ``OMP_NUM_THREADS`` wins.
 
     python scripts/demo_seg.py                       # what `make demo-seg` runs
-    python scripts/demo_seg.py --iters 6000            # a longer schedule
+    python scripts/demo_seg.py --iters 8000            # a longer schedule
     python scripts/demo_seg.py --work-dir /tmp/seg --iters 20
 """
 import argparse
@@ -47,10 +50,11 @@ def parse_args(argv=None):
     p.add_argument('--num-show', type=int, default=6, help='val images in the PNG (default: %(default)s)')
     p.add_argument('--png', help='where to write the PNG (default: WORK_DIR/predictions.png)')
     p.add_argument('--iters', type=int,
-                   help='train this many iterations instead of the config\'s 3000 (the poly schedule, '
+                   help='train this many iterations instead of the config\'s 5000 (the poly schedule, '
                         'validation and checkpoint follow); docs/segmentation.md has measured values')
-    p.add_argument('--threads', type=int, default=1,
-                   help='OMP_NUM_THREADS / MKL_NUM_THREADS of the stages unless already set (default: 1)')
+    p.add_argument('--threads', type=int, default=2,
+                   help='OMP_NUM_THREADS / MKL_NUM_THREADS of the stages unless already set (default: 2; '
+                        '1 on cores shared with other jobs)')
     p.add_argument('--cfg-options', nargs='+', default=[],
                    help='passed to tools/train.py and tools/test.py (e.g. train_cfg.max_iters=20)')
     return p.parse_args(argv)
@@ -156,7 +160,7 @@ def main(argv=None):
     options = list(args.cfg_options)
     if args.iters:
         n = args.iters
-        warmup = min(50, max(1, n // 10))  # the config warms up for 50 of its 3000 iterations
+        warmup = min(50, max(1, n // 10))  # the config warms up for 50 of its 5000 iterations
         options += [f'train_cfg.max_iters={n}', f'train_cfg.val_interval={n}',
                     f'default_hooks.checkpoint.interval={n}', f'param_scheduler.0.end={warmup}',
                     f'param_scheduler.1.begin={warmup}', f'param_scheduler.1.end={n}']
