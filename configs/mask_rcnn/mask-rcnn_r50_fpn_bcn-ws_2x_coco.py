@@ -1,4 +1,5 @@
 # Mask R-CNN R-50-FPN, BCN+WS for micro-batch training (WS/BCN paper Sec. 7, Algorithm 1): the batch stage normalizes with
+# running estimates updated at rate r = the current learning rate (BCNRateHook, from the norms base).
 # Layers in the backbone, FPN, 4conv1fc box head and mask head, as the WS/BCN paper (Sec. 8.3).
 # 2x schedule; 8 GPUs x 2 images with lr 0.02 (use --auto-scale-lr for another total batch size).
 _base_ = ['mmdet::mask_rcnn/mask-rcnn_r50_fpn_2x_coco.py', '../_base_/norms/bcn-ws.py']
