@@ -7,6 +7,7 @@ See docs/toy_data.md.
     python tools/make_toy_imagenet.py --num-train 10 --num-val 5 --out /tmp/inet
 """
 import argparse
+import os
 import os.path as osp
 import sys
 
@@ -32,13 +33,17 @@ def parse_args(argv=None):
     p.add_argument('--max-distractors', type=int, default=2,
                    help='small objects of any class under the dominant one, at most '
                         '(default: %(default)s)')
+    p.add_argument('--workers', type=int, default=os.cpu_count() or 1,
+                   help='processes drawing the images; the files do not depend on it '
+                        '(default: the number of cores, %(default)s)')
     return p.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
     stats, secs = timed(write_imagenet, args.out, num_train=args.num_train, num_val=args.num_val,
-                        size=args.size, seed=args.seed, max_distractors=args.max_distractors)
+                        size=args.size, seed=args.seed, max_distractors=args.max_distractors,
+                        workers=args.workers)
     print(f'toy ImageNet layout ({len(CLASSES)} classes: {", ".join(CLASSES)}) written to '
           f'{args.out} in {secs:.2f}s')
     for split in ('train', 'val'):

@@ -15,6 +15,7 @@ See docs/toy_data.md for the resulting trees and the config values that point at
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import os.path as osp
 import re
@@ -233,26 +234,44 @@ def write_voc(out_dir: str = 'data/toy_voc', num_train: int = 256, num_val: int 
 # ImageNet layout
 
 
+def _write_classification_image(job: Tuple[str, int, str, int, int, int]) -> str:
+    """Draw and save image ``i`` of ``split``; returns its path relative to the split folder."""
+    out_dir, seed, split, i, size, max_distractors = job
+    label = i % len(CLASSES)
+    scene = generate_classification_scene(scene_rng(seed, 'cls-' + split, i), label,
+                                          size=size, max_distractors=max_distractors)
+    rel = f'{CLASSES[label]}/{split}_{i:06d}{IMAGENET_EXT}'
+    _save_image(scene.image, osp.join(out_dir, split, rel))
+    return rel
+
+
 def write_imagenet(out_dir: str = 'data/toy_imagenet', num_train: int = 5000, num_val: int = 100,
-                   size: int = 160, seed: int = 0, max_distractors: int = 2) -> Dict[str, dict]:
+                   size: int = 160, seed: int = 0, max_distractors: int = 2,
+                   workers: int = 1) -> Dict[str, dict]:
     """Write ``{train,val}/<class>/<split>_NNNNNN.JPEG`` plus ``meta/{train,val}.txt`` (lines
     ``<class>/<file> <label>``) and ``meta/classes.txt``.
 
     Image ``i`` shows one dominant object of class ``i % len(CLASSES)`` (so classes are balanced
     to within one image) over up to ``max_distractors`` small objects of any class.
+    ``workers > 1`` draws the images in that many processes; every image has its own generator,
+    so the files are the same as with one.
     """
+    if workers < 1:
+        raise ValueError(f'workers must be >= 1, got {workers}')
     os.makedirs(osp.join(out_dir, 'meta'), exist_ok=True)
     stats = {}
     for split, num in (('train', num_train), ('val', num_val)):
         lines, per_class = [], {name: 0 for name in CLASSES}
         for name in CLASSES:
             os.makedirs(osp.join(out_dir, split, name), exist_ok=True)
-        for i in range(num):
+        jobs = [(out_dir, seed, split, i, size, max_distractors) for i in range(num)]
+        if workers > 1 and num > 1:
+            with multiprocessing.get_context('fork').Pool(min(workers, num)) as pool:
+                rels = pool.map(_write_classification_image, jobs, chunksize=32)
+        else:
+            rels = [_write_classification_image(job) for job in jobs]
+        for i, rel in enumerate(rels):
             label = i % len(CLASSES)
-            scene = generate_classification_scene(scene_rng(seed, 'cls-' + split, i), label,
-                                                  size=size, max_distractors=max_distractors)
-            rel = f'{CLASSES[label]}/{split}_{i:06d}{IMAGENET_EXT}'
-            _save_image(scene.image, osp.join(out_dir, split, rel))
             lines.append(f'{rel} {label}')
             per_class[CLASSES[label]] += 1
         for name in CLASSES:

@@ -40,7 +40,7 @@ def make(out, *extra):
 @pytest.fixture(scope='module')
 def inet_root(tmp_path_factory):
     out = tmp_path_factory.mktemp('toy_imagenet')
-    make(out)
+    make(out, '--workers', '1')
     return out
 
 
@@ -64,12 +64,20 @@ def test_layout_balance_and_determinism(inet_root, tmp_path):
         counts = np.bincount([int(lbl) for _, lbl in entries], minlength=len(CLASSES))
         assert counts.max() - counts.min() <= 1
         assert sorted(p.name for p in (inet_root / split).iterdir()) == sorted(CLASSES)
-    make(tmp_path / 'same')
-    for rel in ('meta/train.txt', 'train/ring/train_000002.JPEG', 'val/star/val_000003.JPEG'):
-        assert (inet_root / rel).read_bytes() == (tmp_path / 'same' / rel).read_bytes()
+    make(tmp_path / 'same', '--workers', '2')  # drawn in 2 processes: the same bytes as in one
+    files = sorted(p.relative_to(inet_root) for p in inet_root.rglob('*') if p.is_file())
+    assert len(files) == N_TRAIN + N_VAL + 3
+    assert files == sorted(p.relative_to(tmp_path / 'same') for p in (tmp_path / 'same').rglob('*') if p.is_file())
+    for rel in files:
+        assert (inet_root / rel).read_bytes() == (tmp_path / 'same' / rel).read_bytes(), rel
     make(tmp_path / 'other', '--seed', '5')
     assert (inet_root / 'train/ring/train_000002.JPEG').read_bytes() != \
         (tmp_path / 'other' / 'train/ring/train_000002.JPEG').read_bytes()
+
+
+def test_workers_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match='workers must be >= 1'):
+        make(tmp_path, '--workers', '0')
 
 
 def _pipeline():
