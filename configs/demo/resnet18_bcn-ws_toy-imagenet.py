@@ -2,7 +2,7 @@
 # pretrain -> tools/convert_checkpoint.py -> fine-tune (docs/pretraining.md):
 #   python tools/make_toy_imagenet.py                          # data/toy_imagenet: 5000 train / 100 val, 5 shapes
 #   python tools/train.py configs/demo/resnet18_bcn-ws_toy-imagenet.py
-#   python tools/convert_checkpoint.py work_dirs/resnet18_bcn-ws_toy-imagenet/iter_600.pth \
+#   python tools/convert_checkpoint.py work_dirs/resnet18_bcn-ws_toy-imagenet/iter_1000.pth \
 #       checkpoints/resnet18_bcn-ws_toy.pth --to mmdet
 # Same layers as the detection demo (configs/demo/mask-rcnn_r18_fpn_bcn-ws_toy-coco.py): WS convs
 # (formula 'paper') and estimate-mode BCN with 32 groups, BCNRateHook (r = lr), here at 8 images per batch
@@ -10,15 +10,13 @@
 # the toy COCO objects at 160x160) so that it runs on 2 CPU cores in a few minutes; evaluation resizes to
 # 80 and center-crops 64 (the same object scale as the training crops). Crops keep 60-100 % of the image
 # (smaller ones often cut the dominant shape, i.e. its class, away) and SGD runs at lr 0.1: measured
-# top-1 82 % (76 % in a `make demo` run) at 1000 iterations against 64 % with 40-100 % crops and lr 0.05
-# (docs/pretraining.md). 600 iterations (top-1 67 %, measured once) keep `make demo` within its 15 minutes:
-# the detection AP loses less from a shorter pretraining than from a shorter fine-tuning (README, the demo).
+# top-1 82 % (76 % in a `make demo` run) against 64 % with 40-100 % crops and lr 0.05 (docs/pretraining.md).
 _base_ = ['mmpretrain::_base_/models/resnet18.py', 'mmpretrain::_base_/default_runtime.py']
 custom_imports = dict(imports=['normdense'], allow_failed_imports=False)
 
 data_root = 'data/toy_imagenet'
 classes = ('circle', 'rectangle', 'ring', 'star', 'triangle')
-max_iters = 600
+max_iters = 1000
 crop = 64
 
 model = dict(
