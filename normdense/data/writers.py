@@ -234,15 +234,15 @@ def write_voc(out_dir: str = 'data/toy_voc', num_train: int = 256, num_val: int 
 # ImageNet layout
 
 
-def _write_classification_image(job: Tuple[str, int, str, int, int, int]) -> str:
-    """Draw and save image ``i`` of ``split``; returns its path relative to the split folder."""
+def _write_classification_image(job: Tuple[str, int, str, int, int, int]) -> Tuple[str, int]:
+    """Draw and save image ``i`` of ``split``; returns (its path relative to the split folder, label)."""
     out_dir, seed, split, i, size, max_distractors = job
     label = i % len(CLASSES)
     scene = generate_classification_scene(scene_rng(seed, 'cls-' + split, i), label,
                                           size=size, max_distractors=max_distractors)
     rel = f'{CLASSES[label]}/{split}_{i:06d}{IMAGENET_EXT}'
     _save_image(scene.image, osp.join(out_dir, split, rel))
-    return rel
+    return rel, label
 
 
 def write_imagenet(out_dir: str = 'data/toy_imagenet', num_train: int = 5000, num_val: int = 100,
@@ -267,11 +267,10 @@ def write_imagenet(out_dir: str = 'data/toy_imagenet', num_train: int = 5000, nu
         jobs = [(out_dir, seed, split, i, size, max_distractors) for i in range(num)]
         if workers > 1 and num > 1:
             with multiprocessing.get_context('fork').Pool(min(workers, num)) as pool:
-                rels = pool.map(_write_classification_image, jobs, chunksize=32)
+                written = pool.map(_write_classification_image, jobs, chunksize=32)
         else:
-            rels = [_write_classification_image(job) for job in jobs]
-        for i, rel in enumerate(rels):
-            label = i % len(CLASSES)
+            written = [_write_classification_image(job) for job in jobs]
+        for rel, label in written:
             lines.append(f'{rel} {label}')
             per_class[CLASSES[label]] += 1
         for name in CLASSES:
