@@ -36,10 +36,11 @@ def standardize_weight(weight: torch.Tensor, eps: float = 1e-5, formula: str = '
     w = weight if weight.dtype in (torch.float32, torch.float64) else weight.float()
     flat = w.reshape(w.shape[0], -1)
     if formula == 'paper' and eps > 0 and flat.shape[1] > 1:
-        # Eq. 7 is exactly training-mode batch_norm over the (1, out, I) view (biased variance, eps inside
-        # the root): one fused kernel, measured ~3x faster on CPU than var_mean + arithmetic.
+        # Eq. 7 as written is exactly layer_norm over each output channel's fan-in (biased variance, eps
+        # inside the root); the fused kernel runs 1.7-3x faster than batch_norm over [1, C_out, fan_in]
+        # and 3-8x faster than var_mean + arithmetic (fwd + bwd, CPU, one thread).
         with torch.autocast(device_type=w.device.type, enabled=False):
-            out = F.batch_norm(flat.unsqueeze(0), None, None, training=True, momentum=0.0, eps=eps)
+            out = F.layer_norm(flat, (flat.shape[1], ), eps=eps)
         return out.reshape(w.shape)
     var, mean = torch.var_mean(flat, dim=1, keepdim=True, correction=0 if formula == 'paper' else 1)
     if formula == 'std_unbiased':
