@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make demo`: the whole used-by workflow on toy data, through the tools users run:
-#   toy ImageNet -> pretrain a ResNet-18 with WS + BCN (tools/train.py, mmpretrain)
+#   toy ImageNet -> pretrain a half-width ResNet-18 with WS + BCN (tools/train.py, mmpretrain)
 #   -> convert it into an mmdet backbone (tools/convert_checkpoint.py, cached in checkpoints/)
 #   -> fine-tune Mask R-CNN with BCN+WS at 2 images per batch on toy COCO (tools/train.py, mmdet)
 #   -> COCO AP on toy val (tools/test.py, mmdet's CocoMetric) -> a PNG of predictions.
@@ -10,16 +10,19 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${VENV:-.venv}/bin/python"
 CONFIG=configs/demo/mask-rcnn_r18_fpn_bcn-ws_toy-coco.py
-PRE_CONFIG=configs/demo/resnet18_bcn-ws_toy-imagenet.py
-PRE_WORK=work_dirs/resnet18_bcn-ws_toy-imagenet
-BACKBONE=checkpoints/resnet18_bcn-ws_toy.pth   # what $CONFIG's init_cfg loads
+PRE_CONFIG=configs/demo/resnet18-w32_bcn-ws_toy-imagenet.py
+PRE_WORK=work_dirs/resnet18-w32_bcn-ws_toy-imagenet
+BACKBONE=checkpoints/resnet18-w32_bcn-ws_toy.pth   # what $CONFIG's init_cfg loads
 WORK=${WORK:-work_dirs/demo_det}
 START=$(date +%s)
 stamp() { echo "==> [demo $(( $(date +%s) - START ))s] $*"; }
 
-if [ ! -f data/toy_coco/annotations/instances_val.json ]; then
-  stamp "generating toy COCO (data/toy_coco)"
-  "$PY" tools/make_toy_coco.py
+# 1000 train images (the tool's default is 256): at 2000 iterations the demo over-fits 256 (README).
+NUM_TRAIN=1000
+if [ ! -f data/toy_coco/annotations/instances_val.json ] \
+   || [ "$(find data/toy_coco/train -name '*.jpg' 2>/dev/null | wc -l)" -ne "$NUM_TRAIN" ]; then
+  stamp "generating toy COCO (data/toy_coco, $NUM_TRAIN train images)"
+  "$PY" tools/make_toy_coco.py --num-train "$NUM_TRAIN"
 fi
 if [ -e "$BACKBONE" ]; then
   stamp "pretrained backbone $BACKBONE found: skipping the pretraining (delete it to redo it)"

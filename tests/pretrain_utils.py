@@ -12,7 +12,7 @@ from mmengine.config import Config
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 IMAGENET_DIR = osp.join(ROOT, 'configs', 'imagenet')
 IMAGENET_CONFIGS = sorted(osp.basename(p)[:-3] for p in glob.glob(osp.join(IMAGENET_DIR, '*.py')))
-TOY_CONFIG = osp.join(ROOT, 'configs', 'demo', 'resnet18_bcn-ws_toy-imagenet.py')
+TOY_CONFIG = osp.join(ROOT, 'configs', 'demo', 'resnet18-w32_bcn-ws_toy-imagenet.py')
 CLASSES = ('circle', 'rectangle', 'ring', 'star', 'triangle')
 
 
@@ -48,7 +48,8 @@ def reduced_cfg(name_or_path, data_root, work_dir, depth=18, crop=64, max_iters=
     path = name_or_path if name_or_path.endswith('.py') else config_path(name_or_path)
     cfg = Config.fromfile(path)
     cfg.model.backbone.depth = depth
-    cfg.model.head.in_channels = 512 if depth in (18, 34) else 2048
+    width = cfg.model.backbone.get('base_channels', 64)  # the toy demo's ResNet-18 is half width
+    cfg.model.head.in_channels = width * (8 if depth in (18, 34) else 32)
     cfg.model.head.num_classes = len(CLASSES)
     cfg.model.head.topk = (1, )
     cfg.data_preprocessor = dict(cfg.get('data_preprocessor', {}), num_classes=len(CLASSES))

@@ -162,8 +162,11 @@ def test_toy_demo_config():
     cfg = Config.fromfile(TOY_CONFIG)
     assert 'normdense' in cfg.custom_imports['imports']
     assert cfg.model.backbone.depth == 18 and cfg.model.head.num_classes == 5
-    assert cfg.model.backbone.norm_cfg == dict(type='BCN', num_groups=32, mode='estimate')
+    assert cfg.model.backbone.norm_cfg == dict(type='BCN', num_groups=16, mode='estimate')
     assert cfg.model.backbone.conv_cfg == dict(type='WSConv2d')
+    # half width: the same channels per BCN group as the paper's full-width ResNet with 32 groups
+    assert cfg.model.backbone.base_channels == cfg.model.backbone.stem_channels == 32
+    assert cfg.model.head.in_channels == 8 * cfg.model.backbone.base_channels
     assert [h['type'] for h in cfg.custom_hooks] == ['BCNRateHook']
     assert cfg.train_cfg.type == 'IterBasedTrainLoop'
     assert cfg.default_hooks.checkpoint.interval == cfg.train_cfg.max_iters  # iter_<max_iters>.pth
@@ -171,7 +174,11 @@ def test_toy_demo_config():
     if osp.isfile(demo_det):  # the detection demo that fine-tunes from it uses the same layers
         det = Config.fromfile(demo_det)
         assert det.model.backbone.depth == 18
-        assert det.model.backbone.norm_cfg['num_groups'] == cfg.model.backbone.norm_cfg['num_groups']
+        assert det.model.backbone.base_channels == cfg.model.backbone.base_channels
+        assert det.model.backbone.get('stem_channels') in (None, cfg.model.backbone.stem_channels)
+        assert det.model.neck.in_channels == [cfg.model.backbone.base_channels * 2**i for i in range(4)]
+        det_norm = {k: det.model.backbone.norm_cfg[k] for k in ('type', 'num_groups', 'mode')}
+        assert det_norm == cfg.model.backbone.norm_cfg  # (mmdet's base adds requires_grad=True)
         assert det.model.backbone.conv_cfg['type'] == 'WSConv2d'
 
 

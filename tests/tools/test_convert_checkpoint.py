@@ -55,21 +55,22 @@ def test_demo_chain_train_convert_load(tmp_path):
                   cwd=tmp_path)
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert 'accuracy/top1' in trained.stdout + trained.stderr
-    dst = tmp_path / 'checkpoints' / 'resnet18_bcn-ws_toy.pth'
+    dst = tmp_path / 'checkpoints' / 'resnet18-w32_bcn-ws_toy.pth'
     out = run(TOOL, str(work / 'iter_2.pth'), str(dst.relative_to(tmp_path)), '--to', 'mmdet', cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert 'complete: every target key mapped' in out.stdout
     assert dst.is_symlink()
     final = osp.realpath(dst)
     assert osp.dirname(final) == osp.realpath(dst.parent)  # relative link next to the file
-    assert osp.basename(final) == f'resnet18_bcn-ws_toy-{sha8(final)}.pth'
+    assert osp.basename(final) == f'resnet18-w32_bcn-ws_toy-{sha8(final)}.pth'
     ckpt = torch.load(dst)
     assert not any(k.startswith('backbone.') for k in ckpt['state_dict'])
     meta = ckpt['meta']
     assert (meta['conv'], meta['ws_formula'], meta['norm'], meta['target']) == ('WSConv2d', 'paper', 'BCN', 'mmdet')
     assert meta['source']['format'] == 'mmpretrain' and meta['source']['iter'] == 2
-    assert meta['backbone'] == dict(type='ResNet', depth=18, conv_cfg=dict(type='WSConv2d'),
-                                    norm_cfg=dict(type='BCN', num_groups=32, mode='estimate'))
+    assert meta['backbone'] == dict(type='ResNet', depth=18, stem_channels=32, base_channels=32,
+                                    conv_cfg=dict(type='WSConv2d'),
+                                    norm_cfg=dict(type='BCN', num_groups=16, mode='estimate'))
     if osp.isfile(DEMO_DET):
         det = Config.fromfile(DEMO_DET)
         backbone_cfg = det.model.backbone.to_dict()
