@@ -20,7 +20,7 @@ _base_ = '../mask_rcnn/mask-rcnn_r50_fpn_bcn-ws_2x_coco.py'
 data_root = 'data/toy_coco/'
 classes = ('circle', 'rectangle', 'ring', 'star', 'triangle')
 width = 64
-max_iters = 2000
+max_iters = 1400
 pretrained = 'checkpoints/resnet18-w32_bcn-ws_toy.pth'
 
 model = dict(
@@ -33,7 +33,7 @@ model = dict(
             checkpoint=pretrained,
             produced_by='python tools/make_toy_imagenet.py && python tools/train.py '
             'configs/demo/resnet18-w32_bcn-ws_toy-imagenet.py && python tools/convert_checkpoint.py '
-            f'work_dirs/resnet18-w32_bcn-ws_toy-imagenet/iter_2000.pth {pretrained} --to mmdet (or: make demo)')),
+            f'work_dirs/resnet18-w32_bcn-ws_toy-imagenet/iter_1500.pth {pretrained} --to mmdet (or: make demo)')),
     neck=dict(in_channels=[32, 64, 128, 256], out_channels=width),
     rpn_head=dict(in_channels=width, feat_channels=width),
     roi_head=dict(

@@ -2,7 +2,7 @@
 # pretrain -> tools/convert_checkpoint.py -> fine-tune (docs/pretraining.md):
 #   python tools/make_toy_imagenet.py                          # data/toy_imagenet: 5000 train / 100 val, 5 shapes
 #   python tools/train.py configs/demo/resnet18-w32_bcn-ws_toy-imagenet.py
-#   python tools/convert_checkpoint.py work_dirs/resnet18-w32_bcn-ws_toy-imagenet/iter_2000.pth \
+#   python tools/convert_checkpoint.py work_dirs/resnet18-w32_bcn-ws_toy-imagenet/iter_1500.pth \
 #       checkpoints/resnet18-w32_bcn-ws_toy.pth --to mmdet
 # Same layers as the detection demo (configs/demo/mask-rcnn_r18_fpn_bcn-ws_toy-coco.py): WS convs
 # (formula 'paper') and estimate-mode BCN, BCNRateHook (r = lr), here at 8 images per batch on 64x64
@@ -20,7 +20,7 @@ custom_imports = dict(imports=['normdense'], allow_failed_imports=False)
 
 data_root = 'data/toy_imagenet'
 classes = ('circle', 'rectangle', 'ring', 'star', 'triangle')
-max_iters = 2000
+max_iters = 1500
 crop = 64
 
 model = dict(
