@@ -17,7 +17,7 @@ WORK=${WORK:-work_dirs/demo_det}
 START=$(date +%s)
 stamp() { echo "==> [demo $(( $(date +%s) - START ))s] $*"; }
 
-# 1000 train images (the tool's default is 256): at 2000 iterations the demo over-fits 256 (README).
+# 1000 train images (the tool's default is 256): at 1400-2000 iterations the demo over-fits 256 (README).
 NUM_TRAIN=1000
 if [ ! -f data/toy_coco/annotations/instances_val.json ] \
    || [ "$(find data/toy_coco/train -name '*.jpg' 2>/dev/null | wc -l)" -ne "$NUM_TRAIN" ]; then
