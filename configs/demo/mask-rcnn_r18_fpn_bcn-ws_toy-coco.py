@@ -2,7 +2,7 @@
 # 2 CPU cores in minutes. Stated plainly, what is smaller than the paper's setting:
 # * backbone: a half-width ResNet-18 (stem and base channels 32, not 64; BCN with 16 groups, the paper's
 #   channels per group) pretrained on toy ImageNet (configs/demo/resnet18-w32_bcn-ws_toy-imagenet.py,
-#   1500 iterations on 64x64 crops) and converted with tools/convert_checkpoint.py -- `make
+#   2000 iterations on 64x64 crops) and converted with tools/convert_checkpoint.py -- `make
 #   demo` does both when checkpoints/resnet18-w32_bcn-ws_toy.pth is missing (from scratch:
 #   model.backbone.init_cfg=None);
 # * 64-channel FPN and heads (not 256), 32 sampled RoIs per image, up to half of them positive (not 512
