@@ -1,7 +1,7 @@
 """Iterative Normalization (IterNorm): group-wise whitening by Newton's iteration.
 
 Paper: Huang et al., "Iterative Normalization: Beyond Standardization towards Efficient Whitening"
-(``papers/iternorm_iterative_normalization.txt``), Algorithm 1, Eq. 3-8, Sec. 3.3.
+(arXiv:1904.03441, CVPR 2019), Algorithm 1, Eq. 3-8, Sec. 3.3.
 
 For each channel group (d channels) of an unrolled input X in R^{d x m} (m = N*H*W: every pixel of
 every sample is an observation, so batch size 1 works):
