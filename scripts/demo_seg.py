@@ -15,7 +15,7 @@ The stages run with 2 intra-op threads by default (``OMP_NUM_THREADS=2``, ``--th
 cores a training iteration of this config measured 0.09 s with 2 threads against 0.13 s with 1.
 On cores shared with other jobs, use ``--threads 1``: 2 OpenMP threads per process then
 oversubscribe the cores and spin-wait for each other (6.3 s of CPU per iteration with 2 threads
-against 0.19 s with 1 thread, measured on a busy machine on 2026-11-21). Two processes with one image each
+against 0.19 s with 1 thread on a busy machine, docs/segmentation.md). Two processes with one image each
 (``--launcher pytorch``) were slower still (0.17 s per iteration: BCN's estimates and the gradients
 are all-reduced every iteration). An already set ``OMP_NUM_THREADS`` wins.
 

@@ -1,5 +1,6 @@
 # DeepLabV3 R-101 on PASCAL VOC 2012 + SBD ("voc12aug", 10,582 training images) with the settings
-# of the WS/BCN paper, Sec. 8.4 / Table 11 (papers/ws_bcn_micro_batch_training.txt):
+# of the WS/BCN paper ("Micro-Batch Training with Batch-Channel Normalization and Weight
+# Standardization", arXiv:1903.10520), Sec. 8.4 / Table 11:
 #   batch size 16, crop 513, poly learning rate from 0.007, 30k iterations, output stride 16 for
 #   training and testing, multi-grid (1, 1, 1), single-scale test without flipping.
 # Table 11's BN (76.49) and GN+WS (77.20) numbers are those of the DeepLabV3 reference code the

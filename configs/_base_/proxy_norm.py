@@ -5,9 +5,11 @@
 #   `proxy_gamma`) keep weight decay; every GroupNorm subclass (GNPN's gamma/beta, plain GN) gets
 #   norm_decay_mult=0; conv/linear weights keep the base decay. This is the PN paper's EfficientNet
 #   recipe (App. A.1); its ResNet recipe decays all parameters (mmengine's default: drop this
-#   paramwise_cfg or set norm_decay_mult=1.0). Same dict as
-#   normdense.layers.proxy_norm.proxy_norm_paramwise_cfg(). The dict merges into the inheriting
-#   config's optim_wrapper (optimizer, clip_grad, ... come from there).
+#   paramwise_cfg or set norm_decay_mult=1.0). This dict is the one copy:
+#   normdense.hooks.proxy_norm_check.proxy_norm_paramwise_cfg() reads it from this file (a config
+#   cannot import normdense without becoming a lazy-import config that old-style configs cannot
+#   inherit). The dict merges into the inheriting config's optim_wrapper (optimizer, clip_grad, ...
+#   come from there).
 # * custom_hooks: ProxyNormCheckHook fails fast if an activation is applied on top of a GNPN layer
 #   (ConvModule without act_cfg=None, ResNet instead of PNResNet). A config that sets its own
 #   custom_hooks list replaces this one: add the hook there too.

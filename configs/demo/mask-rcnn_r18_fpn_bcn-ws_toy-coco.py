@@ -7,12 +7,13 @@
 #   model.backbone.init_cfg=None);
 # * 64-channel FPN and heads (not 256), 32 sampled RoIs per image, up to half of them positive (not 512
 #   with a quarter: the 4conv1fc box head runs on every sampled RoI);
-# * 160x160 toy COCO images (`tools/make_toy_coco.py --num-train 1000`, as `make demo` runs it; with the
-#   tool's default 256 train images, 2000 iterations over-fit: 0.567 instead of 0.622 bbox AP), 2 images
-#   per batch, 1400 iterations with lr 0.02, 100 warm-up iterations and cosine decay (not 24 epochs).
+# * 160x160 toy COCO images (`tools/make_toy_coco.py --num-train 1000`, as `make demo` runs it: with the
+#   tool's default 256 train images the longer schedule over-fits), 2 images per batch, 1400 iterations
+#   with lr 0.02, 100 warm-up iterations and cosine decay (not 24 epochs).
 # Half width and 64 channels make a step about 2x faster than a full-width ResNet-18 with 128-channel
-# heads, and the time goes into twice the iterations (measured in the README, with the alternatives tried:
-# a 2-conv mask head, RoI-to-level mappings scaled to the small images, frozen stem and stage 1).
+# heads, and the time goes into twice the iterations (the measurements, with the alternatives tried -- a
+# 2-conv mask head, RoI-to-level mappings scaled to the small images, frozen stem and stage 1 -- are
+# documented with the demo's results).
 # What stays the same: WS convs + estimate-mode BCN(32 groups; 16 in the half-width backbone) in backbone,
 # FPN, 4conv1fc box head and mask head; BCNRateHook (r = lr); mmdet's CocoMetric for bbox/segm AP.
 _base_ = '../mask_rcnn/mask-rcnn_r50_fpn_bcn-ws_2x_coco.py'

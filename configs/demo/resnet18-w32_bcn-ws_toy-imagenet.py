@@ -13,8 +13,7 @@
 # Half width (stem and base channels 32, 16 BCN groups: the same 2-16 channels per group as the paper's
 # 32 groups at full width) because the detection demo's step is then 2x faster, and the time saved goes
 # into iterations: 2000 here (top-1 78-79 % at 1000-1500, 93-98 % at 2000) and 1400 in the fine-tuning.
-# Measured in docs/pretraining.md (the runs before 2026-11-23 evening used a full-width ResNet-18 with 32
-# groups and 1000 iterations: 76-82 % top-1).
+# The runs behind these choices, and those of the former full-width config, are in docs/pretraining.md.
 _base_ = ['mmpretrain::_base_/models/resnet18.py', 'mmpretrain::_base_/default_runtime.py']
 custom_imports = dict(imports=['normdense'], allow_failed_imports=False)
 

@@ -128,38 +128,23 @@ class UnitizationStage2(nn.Module):
 # --------------------------------------------------------------------------------------------------------
 # Eval-time maps of the norms
 # --------------------------------------------------------------------------------------------------------
-def _f64(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if t is None else t.detach().to(torch.float64)
-
-
 def channel_map_of(norm: nn.Module) -> Tuple[torch.Tensor, torch.Tensor, nn.Module]:
     """The foldable eval-time part of ``norm`` as ``(A, c, rest)``: the norm computes ``rest(A x + c)``
-    with A a (C, C) matrix (diagonal for per-channel affines), c a (C,) vector, in float64."""
-    if isinstance(norm, BatchChannelNorm2d):
-        scale = _f64(norm.batch_weight) * torch.rsqrt(_f64(norm.running_var) + norm.eps)
-        shift = _f64(norm.batch_bias) - _f64(norm.running_mean) * scale
-        return torch.diag(scale), shift, _group_norm_of(norm)
-    if isinstance(norm, Unitization2d):
-        scale = torch.rsqrt(_f64(norm.running_var) + norm.eps)
-        shift = -_f64(norm.running_mean) * scale
-        ones = torch.ones_like(scale)
-        return torch.diag(scale), shift, UnitizationStage2(norm, ones, torch.zeros_like(scale))
-    if isinstance(norm, ChannelAffine):
-        return torch.diag(_f64(norm.weight)), _f64(norm.bias), nn.Identity()
+    with A a (C, C) matrix (diagonal for per-channel affines), c a (C,) vector, in float64. The layer
+    supplies its map (``eval_linear`` / ``eval_affine``); ``rest`` is what stays of it."""
+    if not isinstance(norm, _NORMS):
+        raise TypeError(f'no eval-time channel map for {type(norm).__name__}')
     if isinstance(norm, IterNorm):
-        c = norm.num_features
-        wm = torch.zeros(c, c, dtype=torch.float64)
-        for c0, g0, ng, size in norm._blocks:
-            for i in range(ng):
-                s = c0 + i * size
-                wm[s:s + size, s:s + size] = _f64(norm.running_wm[g0 + i, :size, :size])
-        if norm.affine:
-            wm = _f64(norm.weight)[:, None] * wm
-        shift = -wm @ _f64(norm.running_mean)
-        if norm.affine:
-            shift = shift + _f64(norm.bias)
-        return wm, shift, nn.Identity()
-    raise TypeError(f'no eval-time channel map for {type(norm).__name__}')
+        matrix, shift = norm.eval_linear()
+        return matrix, shift, nn.Identity()
+    scale, shift = norm.eval_affine()
+    if isinstance(norm, BatchChannelNorm2d):
+        rest = _group_norm_of(norm)
+    elif isinstance(norm, Unitization2d):
+        rest = UnitizationStage2(norm, torch.ones_like(scale), torch.zeros_like(scale))
+    else:
+        rest = nn.Identity()
+    return torch.diag(scale), shift, rest
 
 
 def _group_norm_of(bcn: BatchChannelNorm2d) -> nn.GroupNorm:
@@ -226,7 +211,7 @@ def _plain_conv(conv: nn.Conv2d) -> nn.Conv2d:
     elif isinstance(conv, EquiConv2d):
         with torch.no_grad():
             # s (w + b) at rho = 1; the real rho is reapplied per forward unless it is always 1
-            weight = _equinorm_weight_rho1(conv)
+            weight = conv.eval_weight(rho=1.0).to(conv.weight.dtype)
         cls = nn.Conv2d if _rho_is_one(conv) else RhoScaledConv2d
     else:
         raise TypeError(f'cannot make a plain conv from {type(conv).__name__}')
@@ -239,13 +224,6 @@ def _plain_conv(conv: nn.Conv2d) -> nn.Conv2d:
             new.bias.copy_(conv.bias)
     new.train(conv.training)
     return new
-
-
-def _equinorm_weight_rho1(conv: EquiConv2d) -> torch.Tensor:
-    from ..layers.equinorm import equinorm_weight
-    w = equinorm_weight(conv.weight.detach().double(), conv.running_input_mean.double(), 1.0, conv.groups,
-                        conv.single_pass, conv.eps)
-    return w.to(conv.weight.dtype)
 
 
 def _fold_into_conv(conv: nn.Conv2d, a: torch.Tensor, c: torch.Tensor, diag: bool) -> Optional[nn.Conv2d]:

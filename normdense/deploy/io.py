@@ -26,8 +26,6 @@ def build_model_from_config(cfg) -> nn.Module:
     """The config's model, built through the registry of its codebase (``default_scope``)."""
     from mmengine.config import Config
     from mmengine.registry import init_default_scope
-
-    import normdense  # noqa: F401  (registers the layers)
     if isinstance(cfg, str):
         cfg = Config.fromfile(cfg)
     elif isinstance(cfg, dict) and not isinstance(cfg, Config):

@@ -41,13 +41,14 @@ Integration choices (documented in the README):
   and recomputes both stages in backward; see ``normdense/layers/_recompute.py`` and
   docs/performance.md for the measured cost.
 """
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._eval_maps import standardization_affine
 from ._recompute import checkpoint_once, recompute_active
 
 BCN_MODES = ('batch', 'estimate')
@@ -261,6 +262,12 @@ class BatchChannelNorm2d(nn.GroupNorm):
         s += f', update_rate={rate}' if self.mode == 'estimate' else f', momentum={self.momentum}'
         s += f', sync_stats={self.sync_stats}, group_affine={self.group_affine}'
         return s + (', recompute=True' if self.recompute else '')
+
+    def eval_affine(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(scale, shift) per channel, float64, of the eval-mode first stage (Eq. 40 with the running
+        statistics or estimates); the channel stage (Eq. 42) stays per sample."""
+        return standardization_affine(self.running_mean, self.running_var, self.eps, self.batch_weight,
+                                      self.batch_bias)
 
     @classmethod
     def convert_norm(cls, module: nn.Module, num_groups: int = 32, **bcn_kwargs) -> nn.Module:

@@ -37,12 +37,14 @@ Implementation choices:
   the parent's ``init_cfg``, which would otherwise re-draw the weights).
 """
 import warnings
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules.utils import _pair
+
+from ._eval_maps import f64
 
 
 def balance_weight_signs_(weight: torch.Tensor, generator: Optional[torch.Generator] = None) -> int:
@@ -172,6 +174,11 @@ class EquiConv2d(nn.Conv2d):
         return equinorm_weight(self.weight, input_mean, self.rho(h_in, w_in), self.groups, self.single_pass,
                                self.eps)
 
+    def eval_weight(self, rho: float = 1.0) -> torch.Tensor:
+        """The eval-mode kernel ``s (w + b)`` from the running input mean at the given rho, float64."""
+        return equinorm_weight(self.weight.detach().double(), self.running_input_mean.double(), rho, self.groups,
+                               self.single_pass, self.eps)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4:
             raise ValueError(f'EquiConv2d expects (N, C, H, W) input, got shape {tuple(x.shape)}')
@@ -228,6 +235,10 @@ class ChannelAffine(nn.Module):
                              f'got shape {tuple(x.shape)}')
         shape = (1, -1) + (1,) * (x.dim() - 2)
         return x * self.weight.view(shape).to(x.dtype) + self.bias.view(shape).to(x.dtype)
+
+    def eval_affine(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(scale, shift) per channel, float64: the layer is its own eval-time map."""
+        return f64(self.weight), f64(self.bias)
 
     def extra_repr(self) -> str:
         return f'{self.num_features}'

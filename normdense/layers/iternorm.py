@@ -1,7 +1,7 @@
 """Iterative Normalization (IterNorm): group-wise whitening by Newton's iteration.
 
 Paper: Huang et al., "Iterative Normalization: Beyond Standardization towards Efficient Whitening"
-(``papers/iternorm_iterative_normalization.txt``), Algorithm 1, Eq. 3-8, Sec. 3.3.
+(arXiv:1904.03441, CVPR 2019), Algorithm 1, Eq. 3-8, Sec. 3.3.
 
 For each channel group (d channels) of an unrolled input X in R^{d x m} (m = N*H*W: every pixel of
 every sample is an observation, so batch size 1 works):
@@ -38,6 +38,7 @@ from typing import List, Tuple
 import torch
 import torch.nn as nn
 
+from ._eval_maps import f64
 from ._recompute import checkpoint_once, recompute_active
 
 __all__ = ['IterNorm', 'newton_whitening_matrix', 'zca_whitening_matrix']
@@ -251,6 +252,21 @@ class IterNorm(nn.Module):
                 shape = (1, c) + (1, ) * (x.dim() - 2)
                 y = torch.addcmul(bias.to(dtype).view(shape), y, weight.to(dtype).view(shape))
         return y.to(x.dtype).contiguous()
+
+    def eval_linear(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(matrix, bias), float64, of the eval-mode map ``gamma * W_run (x - mu_run) + beta``: a (C, C)
+        block-diagonal matrix (one whitening block per group) and a (C,) vector."""
+        wm = torch.zeros(self.num_features, self.num_features, dtype=torch.float64)
+        for c0, g0, ng, size in self._blocks:
+            for i in range(ng):
+                s = c0 + i * size
+                wm[s:s + size, s:s + size] = f64(self.running_wm[g0 + i, :size, :size])
+        if self.affine:
+            wm = f64(self.weight)[:, None] * wm
+        shift = -wm @ f64(self.running_mean)
+        if self.affine:
+            shift = shift + f64(self.bias)
+        return wm, shift
 
     def extra_repr(self) -> str:
         return (f'{self.num_features}, group_size={self.group_size}, '

@@ -1,7 +1,7 @@
 """Group normalization followed by a proxy-normalized activation step (GN+PN, LN+PN).
 
 Paper: Labatie et al., "Proxy-Normalizing Activations to Match Batch Normalization while Removing
-Batch Dependence" (``papers/proxy_normalization.txt``), Sec. 5 Eq. 7, App. A.1 and App. B.
+Batch Dependence", arXiv:2106.03743 (NeurIPS 2021), Sec. 5 Eq. 7, App. A.1 and App. B.
 
 A batch-independent norm (LN or GN with few groups) without affine is followed by the
 *proxy-normalized activation step* of Eq. 7, which replaces the usual ``affine -> activation``::
@@ -18,8 +18,8 @@ batch-independent and behaves identically in train and eval mode.
 
 Because the layer *contains* the activation, nothing may apply another activation to its output:
 use ``act_cfg=None`` in ConvModules and the ``PNResNet`` backbone instead of ``ResNet``.
-:func:`find_activations_after_proxy_norm` / :class:`ActivationAfterProxyNormGuard` detect
-violations (wired into ``ProxyNormCheckHook``).
+``normdense/hooks/proxy_norm_check.py`` detects violations (``ProxyNormCheckHook``); the supported
+activations phi are listed in ``normdense/layers/_activations.py``.
 
 ``recompute=True`` (off by default) keeps only the layer's input for backward (plain autograd keeps the
 input and two activation-sized intermediates, 3x nn.GroupNorm's activation memory, plus three (C, n)
@@ -31,77 +31,17 @@ No mmcv/mmengine imports here: registration happens in ``normdense/registry.py``
 """
 import functools
 import math
-import weakref
-from typing import Dict, List, Tuple, Union
+from typing import Tuple, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._activations import PROXY_NORM_ACTIVATIONS
+from ._activations import resolve_activation as _resolve_activation
 from ._recompute import checkpoint_once, recompute_active
 
-__all__ = [
-    'GroupProxyNorm', 'proxy_quantiles', 'proxy_norm_paramwise_cfg',
-    'find_activations_after_proxy_norm', 'check_proxy_norm_placement',
-    'ActivationAfterProxyNormGuard', 'PROXY_NORM_ACTIVATIONS'
-]
-
-# canonical name -> (function, default keyword arguments it accepts)
-PROXY_NORM_ACTIVATIONS: Dict[str, Tuple[object, dict]] = {
-    'relu': (F.relu, {}),
-    'relu6': (F.relu6, {}),
-    'leaky_relu': (F.leaky_relu, {'negative_slope': 0.01}),
-    'elu': (F.elu, {'alpha': 1.0}),
-    'celu': (F.celu, {'alpha': 1.0}),
-    'selu': (F.selu, {}),
-    'gelu': (F.gelu, {'approximate': 'none'}),
-    'silu': (F.silu, {}),
-    'mish': (F.mish, {}),
-    'softplus': (F.softplus, {'beta': 1.0, 'threshold': 20.0}),
-    'hardswish': (F.hardswish, {}),
-    'sigmoid': (torch.sigmoid, {}),
-    'tanh': (torch.tanh, {}),
-}
-# Names are matched case-insensitively with '_'/'-' removed, so mmcv-style 'ReLU', 'LeakyReLU',
-# 'GELU', 'SiLU', 'Swish', 'HSwish' all resolve.
-_ACT_ALIASES = {
-    'swish': 'silu', 'hswish': 'hardswish', 'leakyrelu': 'leaky_relu',
-}
-# keys that mmcv act_cfg dicts carry but that make no sense for a functional activation
-_IGNORED_ACT_KEYS = ('inplace', )
-
-
-def _resolve_activation(act: Union[str, dict]) -> Tuple[str, dict]:
-    """Turn ``'relu'`` / ``dict(type='LeakyReLU', negative_slope=0.1)`` into (name, kwargs).
-
-    Raises ``ValueError`` at build time for unknown names or arguments, so a typo in a config fails
-    when the model is built rather than on the first forward.
-    """
-    if isinstance(act, dict):
-        act = dict(act)
-        if 'type' not in act:
-            raise ValueError(f'GNPN activation dict needs a "type" key, got {act}')
-        name = act.pop('type')
-        kwargs = {k: v for k, v in act.items() if k not in _IGNORED_ACT_KEYS}
-    elif isinstance(act, str):
-        name, kwargs = act, {}
-    else:
-        raise ValueError(f'GNPN act must be a str or a dict(type=...), got {act!r}')
-    if not isinstance(name, str):
-        raise ValueError(f'GNPN activation type must be a string, got {name!r}')
-    key = name.lower().replace('_', '').replace('-', '')
-    canonical = {k.replace('_', ''): k for k in PROXY_NORM_ACTIVATIONS}
-    key = _ACT_ALIASES.get(key, canonical.get(key))
-    if key is None:
-        raise ValueError(f'GNPN: unknown activation {name!r}; choose one of '
-                         f'{sorted(PROXY_NORM_ACTIVATIONS)} (aliases: {sorted(_ACT_ALIASES)})')
-    allowed = PROXY_NORM_ACTIVATIONS[key][1]
-    unknown = set(kwargs) - set(allowed)
-    if unknown:
-        raise ValueError(f'GNPN: activation {key!r} does not accept {sorted(unknown)}; '
-                         f'accepted arguments: {sorted(allowed) or "none"}')
-    return key, {**allowed, **kwargs}
-
+__all__ = ['GroupProxyNorm', 'proxy_quantiles', 'PROXY_NORM_ACTIVATIONS']
 
 def proxy_quantiles(num_samples: int, dtype: torch.dtype = torch.float64,
                     device=None) -> torch.Tensor:
@@ -272,155 +212,3 @@ class GroupProxyNorm(nn.GroupNorm):
                 f'proxy_eps={self.proxy_eps}, num_samples={self.num_samples}, '
                 f'proxy_scaling={self.proxy_scaling}, proxy_affine={self.proxy_affine}'
                 + (', recompute=True' if self.recompute else ''))
-
-
-def proxy_norm_paramwise_cfg(norm_decay_mult: float = 0.0,
-                             proxy_decay_mult: float = 1.0) -> dict:
-    """mmengine ``paramwise_cfg`` giving PN's weight-decay treatment.
-
-    With the defaults, weight decay among the norm parameters applies only to PN's beta~/gamma~
-    (``proxy_beta``/``proxy_gamma``): mmengine's ``norm_decay_mult`` covers every ``GroupNorm``
-    subclass (so GNPN's gamma/beta and the plain GN/BN layers get ``norm_decay_mult``), and
-    ``custom_keys`` take precedence over it for the proxy parameters. Convolution/linear weights
-    keep the base decay. This is the paper's EfficientNet recipe (App. A.1: decay "on the
-    convolutional weights and the additional parameters beta~, gamma~ of PN, but not on the other
-    channel-wise parameters"). The paper's ResNet recipe decays *all* parameters including
-    gamma/beta: that is mmengine's default (no paramwise_cfg) or ``norm_decay_mult=1.0`` here.
-
-    Use as ``optim_wrapper = dict(..., paramwise_cfg=proxy_norm_paramwise_cfg())`` or inherit
-    ``configs/_base_/proxy_norm.py`` which holds the same dict.
-    """
-    return dict(
-        norm_decay_mult=norm_decay_mult,
-        custom_keys={
-            '.proxy_beta': dict(decay_mult=proxy_decay_mult),
-            '.proxy_gamma': dict(decay_mult=proxy_decay_mult),
-        })
-
-
-# --------------------------------------------------------------------------------------------
-# Detecting "activation right after PN" (PN already contains phi; a second activation would
-# silently change the model).
-# --------------------------------------------------------------------------------------------
-
-# mmcv's own activation bricks (mmcv.cnn.bricks) that do not live in torch.nn.modules.activation
-_EXTRA_ACTIVATION_NAMES = {'Swish', 'HSwish', 'HSigmoid', 'Clamp', 'Clip', 'GELU', 'SiLU'}
-
-
-def _is_activation(module: nn.Module) -> bool:
-    if isinstance(module, nn.MultiheadAttention):  # lives in torch.nn.modules.activation too
-        return False
-    return any(c.__module__ == 'torch.nn.modules.activation' or c.__name__ in
-               _EXTRA_ACTIVATION_NAMES for c in type(module).__mro__[:-1])
-
-
-def _describe(module: nn.Module) -> str:
-    return type(module).__name__
-
-
-def find_activations_after_proxy_norm(model: nn.Module) -> List[str]:
-    """Static check: structures that apply an activation module directly to a PN output.
-
-    Recognised structures: mmcv ``ConvModule`` (duck-typed: ``order``, ``with_activation``,
-    ``norm_name``) whose norm is a :class:`GroupProxyNorm` and whose ``'act'`` comes right after
-    ``'norm'`` in ``order``; and ``nn.Sequential`` containers with a PN child directly followed by
-    an activation child. Activations applied inside a module's ``forward`` code (e.g. the ReLU of
-    mmdet's ``ResNet`` blocks) are invisible here: :class:`ActivationAfterProxyNormGuard` catches
-    those at run time. Returns one message per offending place (empty list: nothing found).
-    """
-    problems = []
-    for name, m in model.named_modules():
-        where = name or '<model>'
-        order = getattr(m, 'order', None)
-        norm_name = getattr(m, 'norm_name', None)
-        if (isinstance(order, (tuple, list)) and isinstance(norm_name, str)
-                and getattr(m, 'with_norm', False) and getattr(m, 'with_activation', False)
-                and 'norm' in order and 'act' in order):
-            norm = getattr(m, norm_name, None)
-            if (isinstance(norm, GroupProxyNorm)
-                    and list(order).index('act') == list(order).index('norm') + 1):
-                act = getattr(m, 'activate', None)
-                problems.append(
-                    f'{where} ({_describe(m)}): {_describe(act)} applied after its '
-                    f'{_describe(norm)} norm. PN already contains the activation: set '
-                    f"act_cfg=None for this module (or use a plain norm such as dict(type='GN') "
-                    f'if the module does not accept act_cfg)')
-        if isinstance(m, nn.Sequential):
-            children = list(m.named_children())
-            for (n1, c1), (n2, c2) in zip(children, children[1:]):
-                if isinstance(c1, GroupProxyNorm) and _is_activation(c2):
-                    prefix = f'{name}.' if name else ''
-                    problems.append(
-                        f'{prefix}{n2} ({_describe(c2)}) directly follows the PN layer '
-                        f'{prefix}{n1}: PN already contains the activation, remove it '
-                        f'(e.g. nn.Identity())')
-    return problems
-
-
-def check_proxy_norm_placement(model: nn.Module) -> None:
-    """Raise ``ValueError`` listing every place found by :func:`find_activations_after_proxy_norm`."""
-    problems = find_activations_after_proxy_norm(model)
-    if problems:
-        raise ValueError('Activation applied on top of a proxy-normalized activation step '
-                         '(GNPN):\n  ' + '\n  '.join(problems))
-
-
-class ActivationAfterProxyNormGuard:
-    """Run-time check for one forward pass: an activation *module* receiving a PN output.
-
-    Catches what the static check cannot see, e.g. ``ResNet`` blocks that call ``self.relu`` on
-    ``self.norm1(x)`` inside ``forward``. Uses module-local hooks (PN forward hooks record their
-    output tensors; activation pre-hooks test whether their input *is* one of them), removed on
-    exit; on a clean exit with violations it raises ``ValueError``. Functional activations
-    (``F.relu(x)``) are not modules and cannot be seen::
-
-        with ActivationAfterProxyNormGuard(model):
-            model(inputs)
-    """
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self.problems: List[str] = []
-        self._handles = []
-        self._outputs: Dict[int, Tuple[str, weakref.ref]] = {}
-
-    def _record(self, name):
-        def hook(module, args, output):
-            if isinstance(output, torch.Tensor):
-                self._outputs[id(output)] = (name, weakref.ref(output))
-        return hook
-
-    def _check(self, name):
-        def pre_hook(module, args):
-            for arg in args:
-                if not isinstance(arg, torch.Tensor):
-                    continue
-                hit = self._outputs.get(id(arg))
-                if hit is not None and hit[1]() is arg:
-                    msg = (f'{name} ({_describe(module)}) is applied to the output of the PN layer '
-                           f'{hit[0]}: PN already contains the activation (use act_cfg=None in '
-                           f'ConvModules, PNResNet instead of ResNet)')
-                    if msg not in self.problems:
-                        self.problems.append(msg)
-        return pre_hook
-
-    def __enter__(self):
-        for name, m in self.model.named_modules():
-            if isinstance(m, GroupProxyNorm):
-                self._handles.append(m.register_forward_hook(self._record(name)))
-            elif _is_activation(m):
-                self._handles.append(m.register_forward_pre_hook(self._check(name)))
-        return self
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        self._outputs = {}
-
-    def __exit__(self, exc_type, exc, tb):
-        self.remove()
-        if exc_type is None and self.problems:
-            raise ValueError('Activation applied on top of a proxy-normalized activation step '
-                             '(GNPN):\n  ' + '\n  '.join(self.problems))
-        return False

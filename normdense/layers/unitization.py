@@ -40,11 +40,12 @@ stage-2 output's factors, i.e. 3x nn.GroupNorm's memory; estimate mode keeps one
 only costs time); see ``normdense/layers/_recompute.py`` and docs/performance.md.
 """
 import numbers
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
 
+from ._eval_maps import standardization_affine
 from ._recompute import checkpoint_once, recompute_active
 from .bcn import update_estimates_
 
@@ -222,6 +223,11 @@ class Unitization2d(nn.Module):
             scale = scale * weight.to(x.dtype)[None, :]
             return x_hat * scale.view(scale.shape + (1,) * (x.dim() - 2)) + bias.to(x.dtype).view(bshape)
         return x_hat * scale.view(scale.shape + (1,) * (x.dim() - 2))
+
+    def eval_affine(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(scale, shift) per channel, float64, of the eval-mode stage 1 ``(x - mu) / sqrt(var + eps)``;
+        stage 2 (the per-sample unitization) depends on the data and stays."""
+        return standardization_affine(self.running_mean, self.running_var, self.eps)
 
     def extra_repr(self) -> str:
         s = f'{self.num_features}, eps={self.eps}, affine={self.affine}, n={self.n or "H*W"}, mode={self.mode!r}'

@@ -6,7 +6,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import normdense  # noqa: F401  (registers GNPN, PNResNet)
-from normdense.layers.proxy_norm import ActivationAfterProxyNormGuard, GroupProxyNorm, check_proxy_norm_placement
+from normdense.hooks.proxy_norm_check import ActivationAfterProxyNormGuard, check_proxy_norm_placement
+from normdense.layers.proxy_norm import GroupProxyNorm
 from normdense.models.backbones.pn_resnet import PNBasicBlock, PNBottleneck, PNResNet, PNResNetV1c
 
 PN = dict(type='GNPN', num_groups=4)

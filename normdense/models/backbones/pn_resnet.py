@@ -1,6 +1,7 @@
 """ResNet whose "norm -> ReLU" pairs are proxy-normalized activation steps (GN+PN).
 
-Proxy Normalization (``papers/proxy_normalization.txt``, Sec. 5) replaces the activation step that
+Proxy Normalization ("Proxy-Normalizing Activations to Match Batch Normalization while Removing Batch
+Dependence", arXiv:2106.03743, Sec. 5) replaces the activation step that
 directly follows a norm by the proxy-normalized activation step of Eq. 7, which contains the
 activation. OpenMMLab ResNets hard-code ``nn.ReLU`` after their norms, so PN needs its own wiring:
 

@@ -1,0 +1,65 @@
+"""The activations phi that ``GroupProxyNorm`` (GN+PN) can contain, by name, and the resolution of a name or an
+mmcv-style ``act_cfg`` dict into (canonical name, keyword arguments). Functional (torch only): the layer
+applies phi both to its input and to the proxy samples."""
+from typing import Dict, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ['PROXY_NORM_ACTIVATIONS', 'resolve_activation']
+
+# canonical name -> (function, default keyword arguments it accepts)
+PROXY_NORM_ACTIVATIONS: Dict[str, Tuple[object, dict]] = {
+    'relu': (F.relu, {}),
+    'relu6': (F.relu6, {}),
+    'leaky_relu': (F.leaky_relu, {'negative_slope': 0.01}),
+    'elu': (F.elu, {'alpha': 1.0}),
+    'celu': (F.celu, {'alpha': 1.0}),
+    'selu': (F.selu, {}),
+    'gelu': (F.gelu, {'approximate': 'none'}),
+    'silu': (F.silu, {}),
+    'mish': (F.mish, {}),
+    'softplus': (F.softplus, {'beta': 1.0, 'threshold': 20.0}),
+    'hardswish': (F.hardswish, {}),
+    'sigmoid': (torch.sigmoid, {}),
+    'tanh': (torch.tanh, {}),
+}
+# Names are matched case-insensitively with '_'/'-' removed, so mmcv-style 'ReLU', 'LeakyReLU',
+# 'GELU', 'SiLU', 'Swish', 'HSwish' all resolve.
+_ACT_ALIASES = {
+    'swish': 'silu', 'hswish': 'hardswish', 'leakyrelu': 'leaky_relu',
+}
+# keys that mmcv act_cfg dicts carry but that make no sense for a functional activation
+_IGNORED_ACT_KEYS = ('inplace', )
+
+
+def resolve_activation(act: Union[str, dict]) -> Tuple[str, dict]:
+    """Turn ``'relu'`` / ``dict(type='LeakyReLU', negative_slope=0.1)`` into (name, kwargs).
+
+    Raises ``ValueError`` at build time for unknown names or arguments, so a typo in a config fails
+    when the model is built rather than on the first forward.
+    """
+    if isinstance(act, dict):
+        act = dict(act)
+        if 'type' not in act:
+            raise ValueError(f'GNPN activation dict needs a "type" key, got {act}')
+        name = act.pop('type')
+        kwargs = {k: v for k, v in act.items() if k not in _IGNORED_ACT_KEYS}
+    elif isinstance(act, str):
+        name, kwargs = act, {}
+    else:
+        raise ValueError(f'GNPN act must be a str or a dict(type=...), got {act!r}')
+    if not isinstance(name, str):
+        raise ValueError(f'GNPN activation type must be a string, got {name!r}')
+    key = name.lower().replace('_', '').replace('-', '')
+    canonical = {k.replace('_', ''): k for k in PROXY_NORM_ACTIVATIONS}
+    key = _ACT_ALIASES.get(key, canonical.get(key))
+    if key is None:
+        raise ValueError(f'GNPN: unknown activation {name!r}; choose one of '
+                         f'{sorted(PROXY_NORM_ACTIVATIONS)} (aliases: {sorted(_ACT_ALIASES)})')
+    allowed = PROXY_NORM_ACTIVATIONS[key][1]
+    unknown = set(kwargs) - set(allowed)
+    if unknown:
+        raise ValueError(f'GNPN: activation {key!r} does not accept {sorted(unknown)}; '
+                         f'accepted arguments: {sorted(allowed) or "none"}')
+    return key, {**allowed, **kwargs}
