@@ -4,13 +4,11 @@ They behave like mmdet's, mmseg's and mmpretrain's own ``tools/train.py`` / ``to
 codebase is picked from the config's ``default_scope`` and its few differences (how ``--out`` and
 ``--show-dir`` are wired) are handled here, so one launcher serves all three.
 """
-import importlib
 import os
 import os.path as osp
 
-from mmengine.config import Config
-
 import normdense  # noqa: F401  (registers layers/hooks, allow-lists checkpoint types)
+from normdense import codebases
 
 SUPPORTED_SCOPES = ('mmdet', 'mmseg', 'mmpretrain', 'mmengine')
 
@@ -20,7 +18,7 @@ def load_config(config, cfg_options=None, launcher='none', work_dir=None):
     the config's, else ``./work_dirs/<config name>``), and import the config's codebase."""
     if not osp.isfile(config):
         raise FileNotFoundError(f'config file not found: {config}')
-    cfg = Config.fromfile(config)
+    cfg = codebases.read_config(config)  # a missing codebase: one line naming the extra
     cfg.launcher = launcher
     if cfg_options:
         cfg.merge_from_dict(cfg_options)
@@ -40,7 +38,7 @@ def codebase_of(cfg):
     scope = cfg.get('default_scope') or 'mmengine'
     if scope not in SUPPORTED_SCOPES:
         raise ValueError(f"config default_scope={scope!r} is not one of {SUPPORTED_SCOPES}")
-    importlib.import_module(scope)
+    codebases.require(scope, f'a config with default_scope={scope!r}')
     return scope
 
 

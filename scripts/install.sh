@@ -23,7 +23,7 @@ fail() {
 }
 trap fail ERR
 
-stamp_key() { cat requirements/*.txt setup.py scripts/install.sh | sha256sum | cut -d' ' -f1; }
+stamp_key() { cat requirements/*.txt setup.py pyproject.toml scripts/install.sh | sha256sum | cut -d' ' -f1; }
 
 if [ -z "${FORCE:-}" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(stamp_key)" ]; then
   echo "==> [install] $VENV is up to date (FORCE=1 make install to redo every step)"
@@ -47,19 +47,44 @@ fi
 step "build tools for mmcv (requirements/build.txt)" "pip must reach PyPI for setuptools<81, wheel and ninja"
 "${PIP[@]}" -q -r requirements/build.txt
 
-mmcv_ok() { "$PY" -c "import mmcv, mmcv.ops, sys; sys.exit(mmcv.__version__!='2.1.0')" 2>/dev/null; }
+step "CUDA toolkit for mmcv's GPU ops (only where torch sees a GPU)" \
+     "install the CUDA toolkit whose nvcc matches torch's CUDA (put it on PATH or set CUDA_HOME), or use OpenMMLab's prebuilt mmcv: pip install -U openmim && mim install mmcv==2.1.0"
+TORCH_CUDA=$("$PY" -c "import torch; print(torch.version.cuda if torch.cuda.is_available() else '')")
+MMCV_ENV=(MMCV_WITH_OPS=1)
+if [ -z "$TORCH_CUDA" ]; then
+  echo "    torch sees no CUDA GPU: mmcv's ops are built for CPU"
+else
+  NVCC="${CUDA_HOME:+$CUDA_HOME/bin/}nvcc"
+  if ! command -v "$NVCC" >/dev/null; then
+    echo "    torch sees a GPU (CUDA $TORCH_CUDA) but there is no nvcc (PATH, \$CUDA_HOME/bin): mmcv's CUDA ops cannot be built" >&2
+    false
+  fi
+  NVCC_CUDA=$("$NVCC" --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p')
+  if [ "$NVCC_CUDA" != "$TORCH_CUDA" ]; then
+    echo "    $NVCC is CUDA $NVCC_CUDA but torch was built with CUDA $TORCH_CUDA: mmcv's CUDA ops must be built with the same CUDA" >&2
+    false
+  fi
+  echo "    torch and $NVCC: CUDA $TORCH_CUDA; mmcv's ops are built with CUDA (FORCE_CUDA=1)"
+  MMCV_ENV+=(FORCE_CUDA=1)
+fi
+
+# mmcv 2.1.0 whose ops load against this torch, with CUDA kernels where torch sees a GPU
+mmcv_ok() {
+  "$PY" -c "import mmcv, sys, torch; from mmcv.ops import get_compiling_cuda_version as cuda
+sys.exit(mmcv.__version__ != '2.1.0' or (torch.cuda.is_available() and cuda() == 'not available'))" 2>/dev/null
+}
 step "mmcv 2.1.0 with compiled ops (source build, ~15 min the first time)" \
      "needs gcc/g++ and the Python headers; a build error mentioning C++20 means torch is newer than 2.13"
 if mmcv_ok; then
   echo "    mmcv 2.1.0 with ops already installed"
 else
-  MMCV_WITH_OPS=1 MAX_JOBS="${MAX_JOBS:-$(nproc)}" "${PIP[@]}" --no-build-isolation mmcv==2.1.0
+  env "${MMCV_ENV[@]}" MAX_JOBS="${MAX_JOBS:-$(nproc)}" "${PIP[@]}" --no-build-isolation mmcv==2.1.0
   if ! mmcv_ok; then
-    # pip's wheel cache ignores the torch version: a wheel built against another torch fails with
-    # undefined symbols in mmcv._ext. Rebuild it without the cache.
-    echo "    cached mmcv wheel does not load against this torch: rebuilding without pip's cache"
+    # pip's wheel cache ignores the torch version and the CUDA build: a wheel built against another torch
+    # fails with undefined symbols in mmcv._ext, one built on a CPU machine lacks the CUDA kernels.
+    echo "    cached mmcv wheel does not load against this torch or lacks CUDA ops: rebuilding without pip's cache"
     "$PY" -m pip cache remove mmcv || true
-    MMCV_WITH_OPS=1 MAX_JOBS="${MAX_JOBS:-$(nproc)}" "${PIP[@]}" --no-build-isolation --no-cache-dir \
+    env "${MMCV_ENV[@]}" MAX_JOBS="${MAX_JOBS:-$(nproc)}" "${PIP[@]}" --no-build-isolation --no-cache-dir \
       --force-reinstall --no-deps mmcv==2.1.0
     mmcv_ok
   fi
@@ -75,7 +100,7 @@ step "normdense (editable)" "setup.py must be importable; see the error above"
 "${PIP[@]}" -q --no-build-isolation --no-deps -e .
 
 step "self-check" "an import failed: FORCE=1 make install; if mmcv._ext has undefined symbols, 'pip cache remove mmcv' first"
-"$PY" -m normdense.self_check
+"$PY" -m normdense.self_check --all
 
 stamp_key > "$STAMP"
 echo

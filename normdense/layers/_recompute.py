@@ -46,11 +46,21 @@ def recompute_active(module: nn.Module, x: torch.Tensor) -> bool:
     return x.requires_grad or any(p.requires_grad for p in module.parameters())
 
 
+def _device_autocast(device_type: str) -> Tuple[bool, torch.dtype]:
+    if hasattr(torch, 'get_autocast_dtype'):  # torch >= 2.4: per-device-type queries
+        return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    if device_type == 'cpu':
+        return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+    if device_type == 'cuda':
+        return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
+    raise RuntimeError(f'no autocast state query for {device_type!r} before torch 2.4')
+
+
 def _autocast_state(tensors) -> Dict[str, Tuple[bool, torch.dtype]]:
     state = {}
     for d in {'cpu'} | {t.device.type for t in tensors}:
         try:
-            state[d] = (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+            state[d] = _device_autocast(d)
         except RuntimeError:  # a device type without autocast support (e.g. 'meta')
             pass
     return state

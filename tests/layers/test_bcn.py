@@ -177,6 +177,7 @@ def test_norm_decay_mult_exempts_all_bcn_parameters():
     assert [decay[id(p)] for p in model[1].parameters()] == [0.0] * 4
 
 
+@pytest.mark.codebases
 def test_norm_eval_does_not_half_freeze_bcn():
     from mmdet.models.backbones import ResNet
     net = ResNet(18, num_stages=1, strides=(1,), dilations=(1,), out_indices=(0,), norm_cfg=dict(type='BCN', num_groups=8, update_rate=0.5),

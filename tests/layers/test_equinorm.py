@@ -219,6 +219,7 @@ AFFINE = dict(type='ChannelAffine', requires_grad=True)
 UNIT_RANGE = {'data_preprocessor.mean': [0.0, 0.0, 0.0], 'data_preprocessor.std': [255.0, 255.0, 255.0]}
 
 
+@pytest.mark.codebases
 def test_mask_rcnn_training_step_backbone():
     import warnings
 
@@ -249,6 +250,7 @@ def test_mask_rcnn_training_step_backbone():
     assert isinstance(model.backbone.norm1, ChannelAffine) and model.backbone.norm1_name == 'ca1'
 
 
+@pytest.mark.codebases
 def test_deeplabv3_training_step_everywhere():
     import warnings
 

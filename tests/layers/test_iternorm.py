@@ -246,6 +246,7 @@ def test_build_errors(kwargs, match):
         build_norm_layer(dict(type='IterNorm', **kwargs), 32)
 
 
+@pytest.mark.codebases
 def test_mask_rcnn_train_step_with_iternorm_everywhere():
     from tests.mm_models import det_train_step, mask_rcnn_cfg
     model, losses = det_train_step(mask_rcnn_cfg(norm_cfg=dict(type='IterNorm')))
@@ -256,6 +257,7 @@ def test_mask_rcnn_train_step_with_iternorm_everywhere():
     assert not torch.equal(model.backbone.bn1.weight, torch.ones(64))  # affine trained
 
 
+@pytest.mark.codebases
 def test_deeplabv3_train_step_with_iternorm_everywhere():
     from tests.mm_models import deeplabv3_cfg, seg_train_step
     model, losses = seg_train_step(deeplabv3_cfg(norm_cfg=dict(type='IterNorm')))  # batch size 1

@@ -311,6 +311,7 @@ def test_recompute_from_config_keeps_state_dict_keys():
 
 # --- inside mmdet / mmseg models built from config (tests/mm_models.py) -------------------------------
 
+@pytest.mark.codebases
 def test_mask_rcnn_training_step_estimate_mode():
     from tests.mm_models import det_train_step, mask_rcnn_cfg
 
@@ -324,6 +325,7 @@ def test_mask_rcnn_training_step_estimate_mode():
     assert model.backbone.layer1[0].norm1 is model.backbone.layer1[0].un1
 
 
+@pytest.mark.codebases
 def test_mask_rcnn_training_step_batch_mode():
     from tests.mm_models import det_train_step, mask_rcnn_cfg
 
@@ -340,6 +342,7 @@ def test_mask_rcnn_training_step_batch_mode():
     assert all(bool((m.weight != 0).any()) for n, m in layers.items() if n.endswith('un2'))
 
 
+@pytest.mark.codebases
 def test_deeplabv3_training_step_batch_one_estimate_mode():
     """Batch size 1: ASPP's image-pool branch normalizes a 1x1 map, which only estimate mode can do."""
     from mmcv.cnn import ConvModule

@@ -1,4 +1,5 @@
 """WS conv + BCN everywhere mmdet's Mask R-CNN and mmseg's DeepLabV3 accept conv_cfg/norm_cfg."""
+import pytest
 import torch
 from mmcv.cnn import ConvModule
 
@@ -15,6 +16,7 @@ def _bcn_estimates_moved(model):
     return bcns, all(bool((m.running_mean != 0).any()) for m in bcns)
 
 
+@pytest.mark.codebases
 def test_mask_rcnn_ws_bcn_training_step():
     model, losses = det_train_step(mask_rcnn_cfg(conv_cfg=WS, norm_cfg=BCN))
     assert {'loss_rpn_cls', 'loss_bbox', 'loss_mask'} <= set(losses)
@@ -27,6 +29,7 @@ def test_mask_rcnn_ws_bcn_training_step():
                if isinstance(m, ConvModule))
 
 
+@pytest.mark.codebases
 def test_deeplabv3_ws_bcn_training_step_batch_one():
     # batch size 1: ASPP's image-pool branch normalizes a 1x1 map, which estimate-mode BCN handles
     model, losses = seg_train_step(deeplabv3_cfg(conv_cfg=WS, norm_cfg=BCN), batch_size=1)
@@ -36,6 +39,7 @@ def test_deeplabv3_ws_bcn_training_step_batch_one():
                          if isinstance(m, ConvModule))
 
 
+@pytest.mark.codebases
 def test_mask_rcnn_ws_bcn_recompute_equals_plain_training_step():
     """norm_cfg recompute=True through the whole detector (backbone, FPN, shared bbox convs, mask head;
     RoI heads see a varying number of RoIs): one SGD step gives the same losses, estimates and updated

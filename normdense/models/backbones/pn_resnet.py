@@ -16,8 +16,9 @@ activation. OpenMMLab ResNets hard-code ``nn.ReLU`` after their norms, so PN nee
   the final pooling of this v1 ResNet, so PN's "disable scaling before pooling" does not arise.
 
 The classes subclass mmseg's ``ResNet``/``BasicBlock``/``Bottleneck`` (mmseg's ResNet is the
-superset of mmdet's: it also takes ``contract_dilation``/``multi_grid`` used by DeepLabV3 configs)
-and only override block ``forward`` and the stem's ReLU. Attribute names are those of a GN ResNet
+superset of mmdet's: it also takes ``contract_dilation``/``multi_grid`` used by DeepLabV3 configs), or
+mmdet's in an environment without mmseg (same attributes, blocks and stem; detection configs pass no
+mmseg-only argument), and only override block ``forward`` and the stem's ReLU. Attribute names are those of a GN ResNet
 (``conv1``, ``gn1``, ``layer1.0.gn3``, ``layer1.0.downsample.1``, ``stem.1``, ...), so GN
 checkpoints load by key; only the PN parameters ``proxy_beta``/``proxy_gamma`` are new (init 0).
 
@@ -32,9 +33,15 @@ import torch.nn as nn
 import torch.utils.checkpoint as cp
 from mmcv.cnn import build_norm_layer
 from mmengine.registry import MODELS
-from mmseg.models.backbones.resnet import BasicBlock, Bottleneck, ResNet
 
+from ...codebases import is_installed, require
 from ...layers.proxy_norm import GroupProxyNorm
+
+if is_installed('mmseg'):
+    from mmseg.models.backbones.resnet import BasicBlock, Bottleneck, ResNet
+else:  # detection-only environment
+    require('mmdet', 'PNResNet (without mmsegmentation)')
+    from mmdet.models.backbones.resnet import BasicBlock, Bottleneck, ResNet
 
 __all__ = ['PNBasicBlock', 'PNBottleneck', 'PNResNet', 'PNResNetV1c']
 
@@ -134,7 +141,7 @@ def default_plain_norm_cfg(pn_norm_cfg: dict) -> dict:
 
 
 class PNResNet(ResNet):
-    """mmseg ``ResNet`` with GN+PN steps in place of every "norm -> ReLU" (see module docstring).
+    """mmseg's (else mmdet's) ``ResNet`` with GN+PN steps in place of every "norm -> ReLU" (see module docstring).
 
     Args:
         depth: 18, 34, 50, 101 or 152.

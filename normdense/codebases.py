@@ -1,0 +1,60 @@
+"""Which OpenMMLab codebases are installed, and one-line errors naming the extra that installs a missing one.
+
+normdense needs only torch + mmengine + mmcv; mmdet, mmsegmentation and mmpretrain are the extras
+``normdense[det]``, ``normdense[seg]`` and ``normdense[pretrain]`` (setup.py). A config of a codebase
+that is not installed (its ``default_scope`` or an ``mmseg::...`` base) fails with :class:`MissingCodebase`.
+"""
+import importlib
+import importlib.util
+
+from mmengine.config import Config
+
+# import name -> (distribution name, normdense extra)
+CODEBASES = {
+    'mmdet': ('mmdet', 'det'),
+    'mmseg': ('mmsegmentation', 'seg'),
+    'mmpretrain': ('mmpretrain', 'pretrain'),
+}
+
+
+class MissingCodebase(ImportError):
+    """An OpenMMLab codebase a config or layer needs is not installed (one-line message with the fix)."""
+
+
+def is_installed(package: str) -> bool:
+    """Whether ``package`` can be found (not imported: importing mmdet/mmseg takes seconds)."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a blocked/broken finder, or a half-imported module
+        return False
+
+
+def missing_message(package: str, needed_by: str) -> str:
+    dist, extra = CODEBASES[package]
+    return (f"{needed_by} needs {dist} ({package}), which is not installed: "
+            f"pip install 'normdense[{extra}]' (or pip install {dist})")
+
+
+def require(package: str, needed_by: str):
+    """Import and return ``package``; a missing codebase raises :class:`MissingCodebase`.
+
+    An installed codebase that fails to import (e.g. mmcv built without ops) raises its own error.
+    """
+    if package in CODEBASES and not is_installed(package):
+        raise MissingCodebase(missing_message(package, needed_by))
+    return importlib.import_module(package)
+
+
+def read_config(path: str) -> Config:
+    """``Config.fromfile``, with a one-line :class:`MissingCodebase` when a ``mmseg::...``-style base of
+    the config (or of its bases) belongs to a codebase that is not installed."""
+    try:
+        return Config.fromfile(path)
+    except ModuleNotFoundError as e:
+        # mmengine: "<distribution> is not installed, please install <distribution> manually"
+        words = str(e).split()
+        by_dist = {dist: package for package, (dist, _) in CODEBASES.items()}
+        package = e.name if e.name in CODEBASES else by_dist.get(words[0] if words else None)
+        if package is None:
+            raise
+        raise MissingCodebase(missing_message(package, f'config {path}')) from None
