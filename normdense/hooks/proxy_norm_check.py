@@ -32,8 +32,12 @@ from ..layers.proxy_norm import GroupProxyNorm
 # The paramwise_cfg has one copy: the dict in this base config. Configs cannot call into normdense (an
 # old-style mmengine config that imports a package becomes a lazy-import config, which the old-style
 # configs inheriting it cannot mix with), so the Python helper reads the config instead.
-PROXY_NORM_BASE_CONFIG = osp.join(osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))), 'configs',
-                                  '_base_', 'proxy_norm.py')
+
+
+def proxy_norm_base_config() -> str:
+    """``configs/_base_/proxy_norm.py`` of the checkout, or of ``normdense/.mim`` in a wheel install."""
+    from ..tools import configs_dir
+    return osp.join(configs_dir(), '_base_', 'proxy_norm.py')
 
 
 def proxy_norm_paramwise_cfg(norm_decay_mult: Optional[float] = None,
@@ -52,14 +56,11 @@ def proxy_norm_paramwise_cfg(norm_decay_mult: Optional[float] = None,
     gamma/beta: that is mmengine's default (no paramwise_cfg) or ``norm_decay_mult=1.0`` here.
 
     Use as ``optim_wrapper = dict(..., paramwise_cfg=proxy_norm_paramwise_cfg())`` in code that builds
-    its optimizer itself; configs inherit ``configs/_base_/proxy_norm.py``. Needs the repository's
-    ``configs/`` folder (a source checkout, as ``make install`` sets up).
+    its optimizer itself; configs inherit ``configs/_base_/proxy_norm.py`` (found in a source checkout
+    and, through ``normdense/.mim``, in a wheel install).
     """
     from mmengine.config import Config
-    if not osp.isfile(PROXY_NORM_BASE_CONFIG):
-        raise FileNotFoundError(f'{PROXY_NORM_BASE_CONFIG} not found: proxy_norm_paramwise_cfg() reads the '
-                                'repository\'s configs/ folder; install normdense from a source checkout')
-    cfg = Config.fromfile(PROXY_NORM_BASE_CONFIG).optim_wrapper.paramwise_cfg.to_dict()
+    cfg = Config.fromfile(proxy_norm_base_config()).optim_wrapper.paramwise_cfg.to_dict()
     if norm_decay_mult is not None:
         cfg['norm_decay_mult'] = norm_decay_mult
     if proxy_decay_mult is not None:
