@@ -2,10 +2,12 @@
 
 Importing the package registers every layer, backbone and hook into mmengine's root registries (so
 mmdet, mmseg and mmpretrain configs see them) and allow-lists the types mmengine's Runner checkpoints
-need for torch.load(weights_only=True).
+need for torch.load(weights_only=True); every mmengine checkpoint scheme (local, https://, open-mmlab://,
+torchvision://) then loads weights-only (``normdense.checkpoint.install_safe_loaders``).
 """
 from .version import __version__  # noqa: F401
-from .checkpoint import allow_mmengine_checkpoint_types
+from .checkpoint import allow_mmengine_checkpoint_types, install_safe_loaders
 from . import registry  # noqa: F401  (registers into mmengine's root MODELS / HOOKS)
 
 allow_mmengine_checkpoint_types()
+install_safe_loaders()
