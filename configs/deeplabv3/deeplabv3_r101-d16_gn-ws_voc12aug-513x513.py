@@ -13,7 +13,7 @@ custom_imports = dict(imports=['normdense'], allow_failed_imports=False)
 # the plain 7x7 stem, so the backbone is mmseg's ResNet (deep_stem=False) rather than the V1c of the other
 # variants; its keys (conv1, gn1, layerN.M.gn1-3, downsample.0/1: mmcv names GroupNorm 'gn') load strictly,
 # an ImageNet classifier head ('fc.') is left out (logged). The weights were trained with mmcv's ConvWS,
-# w / (std_unbiased + 1e-5), so formula='std_unbiased' (bit-identical), also in the head.
+# w / (std_unbiased + 1e-5), so formula='std_unbiased' (the same function up to float rounding), also in the head.
 # From our own pretraining instead (configs/imagenet/resnet101-v1c_gn-ws_in1k.py + tools/convert_checkpoint.py):
 #   --cfg-options model.backbone.type=ResNetV1c model.backbone.init_cfg.checkpoint=<converted .pth>
 conv_cfg = dict(type='WSConv2d', formula='std_unbiased')

@@ -4,7 +4,7 @@
 # Backbone: the WS authors' GN+WS ImageNet ResNet-50 that mmdet hosts and its configs/gn+ws/ use
 # (open-mmlab://jhu/resnet50_gn_ws), read by mmengine's checkpoint loader (downloaded once, cached under
 # $TORCH_HOME), weights-only. They were trained with mmcv's ConvWS, w / (std_unbiased + 1e-5), so
-# formula='std_unbiased' (bit-identical to it), in the FPN and heads too, as mmdet's gn+ws configs.
+# formula='std_unbiased' (its function; float32 rounding differs by ~1 ulp), also in the FPN and heads, as mmdet.
 # Its keys are those of mmdet's ResNet with GN (mmcv names GroupNorm 'gn': conv1, gn1, layerN.M.gn1-3,
 # layerN.M.downsample.0/1) and load strictly; an ImageNet head ('fc.') is left out, logged.
 # From our own pretraining (configs/imagenet/resnet50_gn-ws_in1k.py + tools/convert_checkpoint.py) instead:
