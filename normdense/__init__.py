@@ -3,14 +3,17 @@
 Importing the package checks that torch, mmengine and mmcv are in the supported ranges
 (normdense/version.py), registers every layer, backbone and hook into mmengine's root registries (so
 mmdet, mmseg and mmpretrain configs see them) and allow-lists the types mmengine's Runner checkpoints
-need for torch.load(weights_only=True). mmdet, mmseg and mmpretrain are optional (normdense.codebases).
+need for torch.load(weights_only=True); every mmengine checkpoint scheme (local, https://, open-mmlab://,
+torchvision://) then loads weights-only (``normdense.checkpoint.install_safe_loaders``). mmdet, mmseg and
+mmpretrain are optional (normdense.codebases).
 """
 from .version import __version__  # noqa: F401
 from .compat import check_core_versions
 
 check_core_versions()
 
-from .checkpoint import allow_mmengine_checkpoint_types  # noqa: E402
+from .checkpoint import allow_mmengine_checkpoint_types, install_safe_loaders  # noqa: E402
 from . import registry  # noqa: F401,E402  (registers into mmengine's root MODELS / HOOKS)
 
 allow_mmengine_checkpoint_types()
+install_safe_loaders()

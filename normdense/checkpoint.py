@@ -62,3 +62,198 @@ def allow_mmengine_checkpoint_types():
     known = set(map(repr, torch.serialization.get_safe_globals()))
     entries = [obj if name is None else (obj, name) for obj, name in mmengine_checkpoint_globals()]
     add([entry for entry in entries if repr(entry) not in known])
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading checkpoints: one safe torch.load for every scheme mmengine's CheckpointLoader serves
+# --------------------------------------------------------------------------------------------------
+class CheckpointReadError(RuntimeError):
+    """A checkpoint that cannot be read (damaged, empty, not a torch file, download failed)."""
+
+
+class UnsafeCheckpointError(CheckpointReadError, pickle.UnpicklingError):
+    """A checkpoint that pickles globals a weights-only load refuses (possibly malicious)."""
+
+
+def _first_sentence(text: str) -> str:
+    text = ' '.join(str(text).split())
+    return text.split('. ')[0].rstrip('.')
+
+
+def safe_torch_load(file, map_location=None, name=None):
+    """``torch.load(file, weights_only=True)`` whose failures are one line:
+    ``cannot read checkpoint NAME: <reason>``.
+
+    ``weights_only`` is passed explicitly, so the load is safe on every torch (the default only became
+    ``True`` in torch 2.6) and whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says. A pickle that needs a
+    global outside the allow-list raises :class:`UnsafeCheckpointError` (a ``pickle.UnpicklingError``);
+    a damaged, truncated or empty file raises :class:`CheckpointReadError` instead of torch's hint to
+    retry with ``weights_only=False``.
+    """
+    name = name or str(file)
+    if isinstance(file, (str, bytes)) or hasattr(file, '__fspath__'):
+        import os
+        if os.path.isfile(file) and os.path.getsize(file) == 0:
+            raise CheckpointReadError(f'cannot read checkpoint {name}: the file is empty')
+    try:
+        return torch.load(file, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise
+    except pickle.UnpicklingError as e:
+        inner = e.__context__ if isinstance(e.__context__, Exception) else e
+        reason = _first_sentence(inner)
+        if 'GLOBAL' in reason or 'global' in reason:
+            raise UnsafeCheckpointError(
+                f'cannot read checkpoint {name}: refused by the weights-only load ({reason}); normdense never '
+                'unpickles arbitrary objects: re-save only its tensors in a trusted environment') from None
+        raise CheckpointReadError(f'cannot read checkpoint {name}: not a torch checkpoint or damaged '
+                                  f'({reason})') from None
+    except Exception as e:  # RuntimeError (bad zip), EOFError, KeyError, ... from a damaged file
+        reason = _first_sentence(e) or type(e).__name__
+        raise CheckpointReadError(f'cannot read checkpoint {name}: damaged or not a torch checkpoint '
+                                  f'({type(e).__name__}: {reason})') from None
+
+
+def _load_from_local(filename, map_location=None):
+    """mmengine's ``load_from_local`` with an explicit weights-only load and one-line errors."""
+    import os.path as osp
+    filename = osp.expanduser(filename)
+    if not osp.isfile(filename):
+        raise FileNotFoundError(f'checkpoint not found: {filename}')
+    return safe_torch_load(filename, map_location=map_location, name=filename)
+
+
+def _load_url(url, model_dir=None, map_location=None, progress=True, check_hash=False, file_name=None):
+    """Stands in for ``torch.hub.load_state_dict_from_url`` under mmengine's ``load_from_http`` (which
+    ``open-mmlab://``, ``torchvision://`` and ``mmcls://`` also go through). torch's version loads with
+    ``weights_only=False`` unless told otherwise, i.e. it would run a malicious pickle. Download and cache
+    stay torch.hub's (``<TORCH_HOME>/hub/checkpoints/<basename>``, atomic ``download_url_to_file``);
+    only the load is :func:`safe_torch_load`."""
+    import os
+    import os.path as osp
+    from urllib.error import URLError
+    from urllib.parse import urlparse
+    model_dir = model_dir or osp.join(torch.hub.get_dir(), 'checkpoints')
+    cached = osp.join(model_dir, file_name or osp.basename(urlparse(url).path))
+    if not osp.exists(cached):
+        os.makedirs(model_dir, exist_ok=True)
+        hash_prefix = None
+        if check_hash:
+            match = torch.hub.HASH_REGEX.search(osp.basename(cached))
+            hash_prefix = match.group(1) if match else None
+        try:
+            torch.hub.download_url_to_file(url, cached, hash_prefix, progress=progress)
+        except (URLError, OSError, RuntimeError) as e:
+            raise CheckpointReadError(f'cannot read checkpoint {url}: download failed '
+                                      f'({_first_sentence(getattr(e, "reason", e))})') from None
+    return safe_torch_load(cached, map_location=map_location, name=f'{url} (cached as {cached})')
+
+
+def install_safe_loaders():
+    """Route every mmengine checkpoint load (Runner ``load_from``/``resume``, ``Pretrained`` init,
+    :class:`PretrainedBackbone`, ...) through :func:`safe_torch_load` (idempotent).
+
+    Local paths: the ``''`` scheme of ``CheckpointLoader`` is re-registered (mmengine's calls
+    ``torch.load`` without ``weights_only``: unsafe before torch 2.6). URLs: mmengine's ``load_from_http``
+    (used by the ``http(s)://``, ``open-mmlab://``, ``torchvision://`` and ``mmcls://`` schemes) calls
+    ``load_url``, bound at module level in ``mmengine.runner.checkpoint``; it is pointed at :func:`_load_url`,
+    so those schemes keep mmengine's name tables, rank-0-first download and torch.hub's cache.
+    """
+    from mmengine.runner import checkpoint as mm_ckpt
+    mm_ckpt.CheckpointLoader.register_scheme(prefixes='', loader=_load_from_local, force=True)
+    mm_ckpt.load_url = _load_url
+
+
+def read_checkpoint(path, map_location='cpu', logger='current'):
+    """Load a checkpoint from anything mmengine's ``CheckpointLoader`` takes (local path, ``https://``,
+    ``open-mmlab://``, ``torchvision://``), weights-only. Errors are one line: ``FileNotFoundError`` for a
+    missing local file, :class:`CheckpointReadError` otherwise (an unknown model name included)."""
+    from mmengine.runner.checkpoint import _load_checkpoint
+    install_safe_loaders()
+    try:
+        return _load_checkpoint(path, map_location=map_location, logger=logger)
+    except KeyError as e:  # the name tables of open-mmlab:// / torchvision://
+        raise CheckpointReadError(f'cannot read checkpoint {path}: unknown model name {e}') from None
+
+
+def is_local_path(path) -> bool:
+    return '://' not in str(path)
+
+
+def check_checkpoint_path(path, what='checkpoint'):
+    """Fail early, in one line, on a missing local file (URLs are checked when they are downloaded)."""
+    import os.path as osp
+    if path is not None and is_local_path(path) and not osp.isfile(osp.expanduser(path)):
+        raise FileNotFoundError(f'{what} not found: {path}')
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# Strict loads: which tensors a checkpoint leaves at their initialization
+# --------------------------------------------------------------------------------------------------
+class CheckpointMismatchError(RuntimeError):
+    """A checkpoint whose keys or shapes do not cover the model (a strict load refuses it)."""
+
+
+def _unwrap(model):
+    from mmengine.model import BaseTTAModel, is_model_wrapper
+    while is_model_wrapper(model) or isinstance(model, BaseTTAModel):
+        model = model.module
+    return model
+
+
+def state_dict_of(checkpoint, revise_keys=((r'^module\.', ''),)):
+    """The model weights of a loaded checkpoint with mmengine's key revision (``module.`` stripped)."""
+    import re
+    state_dict = checkpoint.get('state_dict', checkpoint) if isinstance(checkpoint, dict) else checkpoint
+    for pattern, repl in revise_keys:
+        state_dict = {re.sub(pattern, repl, k): v for k, v in state_dict.items()}
+    return state_dict
+
+
+def load_mismatch(model, state_dict):
+    """(missing, unexpected, mismatched) keys of loading ``state_dict`` into ``model`` (unwrapped from
+    DDP / TTA wrappers). ``num_batches_tracked`` may be missing (mmengine ignores it too: checkpoints of
+    older BN layers lack it); ``mismatched`` holds ``(key, checkpoint shape, model shape)``."""
+    own = _unwrap(model).state_dict()
+    missing = [k for k in own if k not in state_dict and not k.endswith('num_batches_tracked')]
+    unexpected = [k for k in state_dict if k not in own]
+    mismatched = [(k, tuple(v.shape), tuple(own[k].shape)) for k, v in state_dict.items()
+                  if k in own and torch.is_tensor(v) and tuple(v.shape) != tuple(own[k].shape)]
+    return missing, unexpected, mismatched
+
+
+def _some(keys, limit=6):
+    keys = list(keys)
+    return ', '.join(map(str, keys[:limit])) + (f', ... ({len(keys)} in all)' if len(keys) > limit else '')
+
+
+def describe_mismatch(missing, unexpected, mismatched) -> str:
+    parts = []
+    if missing:
+        parts.append(f'missing keys {len(missing)} ({_some(missing)})')
+    if mismatched:
+        parts.append(f'shape-mismatched keys {len(mismatched)} ('
+                     + _some(f'{k}: checkpoint {list(a)} vs model {list(b)}' for k, a, b in mismatched) + ')')
+    if unexpected:
+        parts.append(f'unexpected keys {len(unexpected)} ({_some(unexpected)})')
+    return '; '.join(parts)
+
+
+def check_load(model, checkpoint, name, allow_partial=False, logger='current',
+               hint='pass --allow-partial-load (or set allow_partial_load=True in the config)'):
+    """Refuse (one line, on every rank) a checkpoint that would leave part of ``model`` at its
+    initialization, or with ``allow_partial`` log at warning level every tensor that stays at its
+    initialization. ``checkpoint``: a loaded checkpoint or a bare state dict."""
+    from mmengine.logging import print_log
+    missing, unexpected, mismatched = load_mismatch(model, state_dict_of(checkpoint))
+    if not (missing or unexpected or mismatched):
+        return
+    what = describe_mismatch(missing, unexpected, mismatched)
+    if not allow_partial:
+        raise CheckpointMismatchError(
+            f'checkpoint {name} does not match the model: {what}. Loads are strict; to load the matching '
+            f'tensors and keep the rest at initialization, {hint}')
+    stayed = missing + [k for k, _, _ in mismatched]
+    print_log(f'PARTIAL LOAD of {name}: {len(stayed)} tensors stay at their initialization: '
+              f'{", ".join(stayed) or "none"}; {what}', logger=logger, level=30)

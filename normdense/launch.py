@@ -9,6 +9,7 @@ import os.path as osp
 
 import normdense  # noqa: F401  (registers layers/hooks, allow-lists checkpoint types)
 from normdense import codebases
+from normdense.checkpoint import check_checkpoint_path
 
 SUPPORTED_SCOPES = ('mmdet', 'mmseg', 'mmpretrain', 'mmengine')
 
@@ -63,8 +64,7 @@ def apply_train_args(cfg, amp=False, auto_scale_lr=False, resume=None):
         cfg.resume = True
         cfg.load_from = None
     elif resume is not None:
-        if not osp.isfile(resume):
-            raise FileNotFoundError(f'--resume checkpoint not found: {resume}')
+        check_checkpoint_path(resume, '--resume checkpoint')
         cfg.resume = True
         cfg.load_from = resume
     return cfg
@@ -72,8 +72,7 @@ def apply_train_args(cfg, amp=False, auto_scale_lr=False, resume=None):
 
 def apply_test_args(cfg, checkpoint, out=None, show=False, show_dir=None, wait_time=2.0):
     """The testing switches of the codebases' tools/test.py (checkpoint, --out, --show, --show-dir)."""
-    if not osp.isfile(checkpoint):
-        raise FileNotFoundError(f'checkpoint not found: {checkpoint}')
+    check_checkpoint_path(checkpoint)
     cfg.load_from = checkpoint
     scope = codebase_of(cfg)
     if show or show_dir:
@@ -96,6 +95,20 @@ def apply_test_args(cfg, checkpoint, out=None, show=False, show_dir=None, wait_t
             vis['wait_time'] = wait_time
     if out is not None and not out.endswith(('.pkl', '.pickle')):
         raise ValueError(f'--out must be a .pkl/.pickle file, got {out}')
+    return cfg
+
+
+def apply_load_args(cfg, allow_partial_load=False):
+    """Strict checkpoint loads for ``load_from``, ``--resume`` and test's CHECKPOINT (local paths,
+    ``https://``, ``open-mmlab://``, ``torchvision://``): adds :class:`~normdense.hooks.strict_load.
+    StrictLoadHook`, which refuses a checkpoint with missing, unexpected or shape-mismatched keys.
+    ``--allow-partial-load`` (or ``allow_partial_load = True`` in the config) loads anyway and logs, at
+    warning level, what stayed at initialization. A missing local ``load_from`` fails here, in one line."""
+    if allow_partial_load:
+        cfg.allow_partial_load = True
+    check_checkpoint_path(cfg.get('load_from'), 'load_from checkpoint')
+    hooks = [h for h in (cfg.get('custom_hooks') or []) if h.get('type') != 'StrictLoadHook']
+    cfg.custom_hooks = hooks + [dict(type='StrictLoadHook', allow_partial=bool(cfg.get('allow_partial_load')))]
     return cfg
 
 

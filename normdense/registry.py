@@ -11,6 +11,10 @@ from .convert.pretrained_init import PretrainedBackbone  # noqa: E402
 
 WEIGHT_INITIALIZERS.register_module(name='PretrainedBackbone', module=PretrainedBackbone)
 
+from .hooks.strict_load import StrictLoadHook  # noqa: E402
+
+HOOKS.register_module(name='StrictLoadHook', module=StrictLoadHook)
+
 # --- Weight Standardization and Batch-Channel Normalization (WS/BCN paper) -------------------------
 from .hooks.bcn_rate import BCNRateHook  # noqa: E402
 from .layers.bcn import BatchChannelNorm2d  # noqa: E402

@@ -26,7 +26,8 @@ from normdense.convert.backbone import (NORM_TYPES, SOURCES, TARGETS, WS_CHOICES
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('src', help='source checkpoint (mmpretrain Runner checkpoint, authors\' release, torchvision)')
+    p.add_argument('src', help='source checkpoint (mmpretrain Runner checkpoint, authors\' release, torchvision): '
+                               'a local file, https://..., open-mmlab://... or torchvision://... (cached in $TORCH_HOME)')
     p.add_argument('dst', help='stable output name, e.g. checkpoints/resnet50_bcn-ws_in1k.pth (becomes a symlink)')
     p.add_argument('--to', required=True, choices=TARGETS, help='codebase whose ResNet the backbone is for')
     p.add_argument('--from', dest='source', choices=SOURCES, default=None,
@@ -58,7 +59,7 @@ def main(argv=None):
         if args.dry_run:
             return 0 if conv.complete else 1
         final = save_backbone_checkpoint(conv, args.dst, allow_partial=args.allow_partial,
-                                         source_path=osp.abspath(args.src))
+                                         source_path=args.src if '://' in args.src else osp.abspath(args.src))
     except (ConversionError, FileNotFoundError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 1

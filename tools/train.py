@@ -20,6 +20,9 @@ def parse_args(argv=None):
                         help='scale the learning rate by (GPUs x images per GPU) / auto_scale_lr.base_batch_size')
     parser.add_argument('--resume', nargs='?', type=str, const='auto',
                         help='resume from this checkpoint; without a path, from the latest one in the work dir')
+    parser.add_argument('--allow-partial-load', action='store_true',
+                        help='load a checkpoint that does not cover the model (missing, unexpected or '
+                             'shape-mismatched keys) and log what stays at initialization (default: refuse)')
     parser.add_argument('--cfg-options', nargs='+', action=DictAction,
                         help='override config settings, e.g. train_cfg.max_iters=10 (xxx=yyy, lists as [a,b])')
     parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'], default='none',
@@ -35,6 +38,7 @@ def main(argv=None):
     args = parse_args(argv)
     cfg = launch.load_config(args.config, args.cfg_options, args.launcher, args.work_dir)
     launch.apply_train_args(cfg, amp=args.amp, auto_scale_lr=args.auto_scale_lr, resume=args.resume)
+    launch.apply_load_args(cfg, allow_partial_load=args.allow_partial_load)
     runner = launch.build_runner(cfg)
     runner.train()
 

@@ -1,11 +1,4 @@
-# Faster R-CNN R-101-FPN: the R-50 config with a ResNet-101 backbone and its converted gn-ws ImageNet weights.
+# Faster R-CNN R-101-FPN: the R-50 config with a ResNet-101 backbone and the WS authors' GN+WS ImageNet
+# ResNet-101 that mmdet hosts (open-mmlab://jhu/resnet101_gn_ws; WS formula 'std_unbiased', see the R-50 config).
 _base_ = './faster-rcnn_r50_fpn_gn-ws_1x_coco.py'
-pretrained = 'checkpoints/resnet101_gn-ws_in1k.pth'
-model = dict(
-    backbone=dict(
-        depth=101,
-        init_cfg=dict(
-            checkpoint=pretrained,
-            produced_by='python tools/train.py configs/imagenet/resnet101_gn-ws_in1k.py && '
-            'python tools/convert_checkpoint.py work_dirs/resnet101_gn-ws_in1k/epoch_90.pth '
-            f'{pretrained} --to mmdet')))
+model = dict(backbone=dict(depth=101, init_cfg=dict(checkpoint='open-mmlab://jhu/resnet101_gn_ws')))

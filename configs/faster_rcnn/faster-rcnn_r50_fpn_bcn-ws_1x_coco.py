@@ -13,7 +13,10 @@ model = dict(
             _delete_=True,
             type='PretrainedBackbone',
             checkpoint=pretrained,
-            produced_by='python tools/train.py configs/imagenet/resnet50_bcn-ws_in1k.py && '
+            produced_by="convert the WS/BCN authors' released BCN+WS ResNet-50 "
+            '(github.com/joe-siyuan-qiao/Batch-Channel-Normalization): python tools/convert_checkpoint.py '
+            f'RELEASED.pth {pretrained} --to mmdet --from authors; or pretrain it (90 epochs): '
+            'python tools/train.py configs/imagenet/resnet50_bcn-ws_in1k.py && '
             'python tools/convert_checkpoint.py work_dirs/resnet50_bcn-ws_in1k/epoch_90.pth '
             f'{pretrained} --to mmdet')),
     neck=dict(conv_cfg=_base_.conv_cfg, norm_cfg=_base_.norm_cfg),

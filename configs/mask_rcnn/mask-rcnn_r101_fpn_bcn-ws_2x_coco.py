@@ -6,6 +6,9 @@ model = dict(
         depth=101,
         init_cfg=dict(
             checkpoint=pretrained,
-            produced_by='python tools/train.py configs/imagenet/resnet101_bcn-ws_in1k.py && '
+            produced_by="convert the WS/BCN authors' released BCN+WS ResNet-101 "
+            '(github.com/joe-siyuan-qiao/Batch-Channel-Normalization): python tools/convert_checkpoint.py '
+            f'RELEASED.pth {pretrained} --to mmdet --from authors; or pretrain it (90 epochs): '
+            'python tools/train.py configs/imagenet/resnet101_bcn-ws_in1k.py && '
             'python tools/convert_checkpoint.py work_dirs/resnet101_bcn-ws_in1k/epoch_90.pth '
             f'{pretrained} --to mmdet')))

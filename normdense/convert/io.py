@@ -15,17 +15,16 @@ CONVERSION_VERSION = 1
 
 
 def load_source(path: str) -> dict:
-    """``torch.load`` a source checkpoint with ``weights_only=True`` (mmengine Runner checkpoints load
-    through the allow-list normdense installs). Never unpickles arbitrary objects."""
-    import normdense  # noqa: F401  (allow-list for mmengine checkpoints)
-    if not osp.isfile(path):
-        raise FileNotFoundError(f'source checkpoint not found: {path}')
+    """Read a source checkpoint (local path, ``https://``, ``open-mmlab://``, ``torchvision://``) through
+    mmengine's loaders, weights-only (:func:`normdense.checkpoint.read_checkpoint`): never unpickles
+    arbitrary objects; a damaged file is a one-line ``cannot read checkpoint PATH: <reason>``."""
+    from ..checkpoint import CheckpointReadError, read_checkpoint
     try:
-        return torch.load(path, map_location='cpu', weights_only=True)
-    except Exception as e:  # pickle.UnpicklingError and friends
-        raise ConversionError(
-            f'{path} cannot be loaded with torch.load(weights_only=True): {e}\nRe-save its state_dict '
-            f'(torch.save({{"state_dict": sd}}, ...)) in a trusted environment and convert that.') from e
+        return read_checkpoint(path, map_location='cpu')
+    except FileNotFoundError:
+        raise FileNotFoundError(f'source checkpoint not found: {path}') from None
+    except CheckpointReadError as e:  # UnsafeCheckpointError included
+        raise ConversionError(str(e)) from None
 
 
 def split_checkpoint(ckpt) -> Tuple['OrderedDict[str, torch.Tensor]', dict]:

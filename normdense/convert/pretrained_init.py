@@ -1,64 +1,83 @@
-"""An ``init_cfg`` that loads a converted backbone from ``checkpoints/`` strictly, with a useful error."""
-import os.path as osp
+"""An ``init_cfg`` that loads a pretrained backbone strictly, from anywhere mmengine loads checkpoints."""
+import re
 
 from mmengine.logging import print_log
 from mmengine.model.weight_init import update_init_info
-from mmengine.runner.checkpoint import _load_checkpoint, load_state_dict
+from mmengine.runner.checkpoint import load_state_dict
 
+from ..checkpoint import check_load, is_local_path, read_checkpoint
 from ..layers.ws import WSConv2d
 
 
 class PretrainedBackbone:
     """``init_cfg=dict(type='PretrainedBackbone', checkpoint='checkpoints/NAME.pth', produced_by='...')``.
 
-    Unlike mmengine's ``Pretrained`` (which only warns), a missing file raises an error naming the file
-    and the command that produces it, and missing/unexpected/mismatched keys raise (``strict=True``):
-    a converted backbone must cover the whole backbone, or the config trains from a silently partial
-    initialization.
+    Unlike mmengine's ``Pretrained`` (which only warns), missing/unexpected/mismatched keys raise
+    (``strict=True``): a pretrained backbone must cover the whole backbone, or the config trains from a
+    silently partial initialization. A missing local file raises a one-line error naming the command that
+    produces it. The checkpoint may be anything mmengine's ``CheckpointLoader`` takes (local path,
+    ``https://``, ``open-mmlab://``, ``torchvision://``; downloads are cached under ``$TORCH_HOME``), and
+    is read weights-only (:func:`normdense.checkpoint.read_checkpoint`).
 
     Checkpoints written by ``tools/convert_checkpoint.py`` record in their ``meta`` whether the convs were
     weight-standardized and with which formula (``meta['conv']``, ``meta['ws_formula']``). The weights are
     only meaningful under that formula, so every ``WSConv2d`` of the backbone is switched to it (logged when
     this overrides the config's ``formula``), and loading WS-trained weights into plain convs (or plain
-    weights into WS convs) raises. ``check_conv=False`` skips both.
+    weights into WS convs) raises. ``check_conv=False`` skips both. Checkpoints without that record (e.g.
+    published ones) load under the config's ``formula``, which must then be the one they were trained with.
 
     Args:
-        checkpoint: path of the converted backbone (relative paths are taken from the current directory,
-            i.e. the repository root when launched with ``tools/train.py``).
-        produced_by: the command that writes the file (shown when it is missing).
+        checkpoint: path or URL of the backbone weights (relative paths are taken from the current
+            directory, i.e. the repository root when launched with ``tools/train.py``).
+        produced_by: how to obtain the file (shown when a local file is missing).
         prefix: load only the keys under this prefix (e.g. ``'backbone.'`` of a whole-model checkpoint).
+            As mmengine's ``Pretrained``, a leading ``module.`` (DataParallel) is stripped first.
         strict: raise on missing or unexpected keys (default).
         check_conv: apply the checkpoint's recorded WS formula and check the conv type (default).
+        drop_prefixes: checkpoint keys to leave out, logged (e.g. ``('fc.',)``: an ImageNet classifier's
+            head, which a backbone does not have).
     """
 
     def __init__(self, checkpoint, produced_by='', prefix=None, strict=True, map_location='cpu',
-                 check_conv=True):
+                 check_conv=True, drop_prefixes=()):
         self.checkpoint = checkpoint
         self.produced_by = produced_by
         self.prefix = prefix
         self.strict = strict
         self.map_location = map_location
         self.check_conv = check_conv
+        self.drop_prefixes = tuple(drop_prefixes)
 
     def __call__(self, module):
-        if not osp.isfile(self.checkpoint):
-            hint = f'\nProduce it with:\n    {self.produced_by}' if self.produced_by else ''
-            raise FileNotFoundError(
-                f'{type(module).__name__} expects the converted pretrained backbone {self.checkpoint!r} '
-                f'(see checkpoints/README.md), which does not exist.{hint}\nTo train from scratch instead, '
-                f'pass --cfg-options model.backbone.init_cfg=None')
         print_log(f'load backbone from {self.checkpoint} (strict={self.strict})', logger='current')
-        ckpt = _load_checkpoint(self.checkpoint, self.map_location)
+        try:
+            ckpt = read_checkpoint(self.checkpoint, self.map_location)
+        except FileNotFoundError:
+            if not is_local_path(self.checkpoint):
+                raise
+            how = f' Get it: {self.produced_by}.' if self.produced_by else ''
+            raise FileNotFoundError(
+                f'{type(module).__name__}: pretrained backbone {self.checkpoint} not found.{how} '
+                '(checkpoints/README.md; to train from scratch: --cfg-options model.backbone.init_cfg=None)'
+            ) from None
         state_dict = ckpt.get('state_dict', ckpt) if isinstance(ckpt, dict) else ckpt
         meta = ckpt.get('meta') if isinstance(ckpt, dict) and isinstance(ckpt.get('meta'), dict) else {}
+        state_dict = {re.sub(r'^module\.', '', k): v for k, v in state_dict.items()}
         if self.prefix:
             n = len(self.prefix)
             state_dict = {k[n:]: v for k, v in state_dict.items() if k.startswith(self.prefix)}
             if not state_dict:
                 raise ValueError(f'{self.checkpoint} has no keys under the prefix {self.prefix!r}')
+        dropped = [k for k in state_dict if k.startswith(self.drop_prefixes)] if self.drop_prefixes else []
+        if dropped:
+            state_dict = {k: v for k, v in state_dict.items() if k not in set(dropped)}
+            print_log(f'{self.checkpoint}: left out {len(dropped)} keys under {self.drop_prefixes} '
+                      f'({", ".join(dropped)})', logger='current')
         if self.check_conv:
             apply_conv_meta(module, meta, self.checkpoint)
-        load_state_dict(module, state_dict, strict=self.strict, logger='current')
+        check_load(module, state_dict, self.checkpoint, allow_partial=not self.strict,
+                   hint="set the init_cfg's strict=False")
+        load_state_dict(module, state_dict, strict=False, logger='current')
         if hasattr(module, '_params_init_info'):
             update_init_info(module, init_info=f'{type(self).__name__}: load from {self.checkpoint}')
 

@@ -40,7 +40,8 @@ def build_model_from_config(cfg) -> nn.Module:
 
 def load_fused(cfg, path: str, map_location: Union[str, torch.device] = 'cpu') -> nn.Module:
     """Rebuild the fused model of ``cfg`` (a config path, Config or dict) and load a ``save_fused`` file."""
-    ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    from ..checkpoint import read_checkpoint
+    ckpt = read_checkpoint(path, map_location=map_location)  # weights-only; one-line error if damaged
     if not isinstance(ckpt, dict) or ckpt.get('format') != FORMAT:
         raise ValueError(f'{path} is not a fused normdense checkpoint (written by tools/deploy.py)')
     model = build_model_from_config(cfg).eval()

@@ -188,6 +188,9 @@ def test_config_settings(path):
     init = cfg.model.backbone.get('init_cfg')
     if norm == 'bn':
         assert cfg.model.pretrained == f'open-mmlab://resnet{depth}_v1c' and init is None
+    elif norm == 'gn-ws':  # the WS authors' published backbone (tests/test_loading.py loads it key for key)
+        assert cfg.model.pretrained is None and init.type == 'PretrainedBackbone'
+        assert init.checkpoint == f'open-mmlab://jhu/resnet{depth}_gn_ws'
     else:
         assert cfg.model.pretrained is None
         assert init.type == 'PretrainedBackbone'
@@ -212,7 +215,9 @@ def backbone_layers(backbone_cfg):
             conv['type'], conv.get('formula', 'paper') if conv['type'] == 'WSConv2d' else None)
 
 
-PRETRAINED_CASES = sorted({(parse_name(p)[0], parse_name(p)[2]) for p in SEG_CONFIGS if parse_name(p)[2] != 'bn'})
+# bn and gn-ws start from published weights (mmseg's, the WS authors'), not from a configs/imagenet run
+PRETRAINED_CASES = sorted({(parse_name(p)[0], parse_name(p)[2]) for p in SEG_CONFIGS
+                           if parse_name(p)[2] not in ('bn', 'gn-ws')})
 
 
 @pytest.mark.parametrize('depth,norm', PRETRAINED_CASES, ids=[f'r{d}-{n}' for d, n in PRETRAINED_CASES])
@@ -239,7 +244,8 @@ def test_config_builds(path, voc_root, tmp_path):
     model = MODELS.build(cfg.model)
     backbone, head = model.backbone, model.decode_head
     assert backbone.depth == depth
-    assert type(backbone).__name__ == ('PNResNetV1c' if norm == 'gn-pn' else 'ResNetV1c')
+    # gn-ws: the published GN+WS weights have the plain 7x7 stem
+    assert type(backbone).__name__ == {'gn-pn': 'PNResNetV1c', 'gn-ws': 'ResNet'}.get(norm, 'ResNetV1c')
     strides, dilations, rates = {16: ((1, 2, 2, 1), (1, 1, 1, 2), (1, 6, 12, 18)),
                                  8: ((1, 2, 1, 1), (1, 1, 2, 4), (1, 12, 24, 36))}[os_]
     assert tuple(backbone.strides) == strides and tuple(backbone.dilations) == dilations
