@@ -87,6 +87,7 @@ def test_out_is_a_directory_for_mmseg_and_a_pickle_elsewhere(tmp_path):
     register_all_modules(init_default_scope=False)
     with DefaultScope.overwrite_default_scope('mmseg'):
         metric = METRICS.build(cfg.test_evaluator)
+    metric.dataset_meta = dict(classes=tuple('abcdef'))
     pred = torch.randint(0, 6, (1, 8, 8))
     metric.process({}, [dict(pred_sem_seg=dict(data=pred), gt_sem_seg=dict(data=pred), img_path='a/img_7.jpg')])
     from PIL import Image
