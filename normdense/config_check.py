@@ -140,9 +140,10 @@ def _leaf_datasets(ds_cfg, path):
         yield path, ds_cfg
 
 
-def _local(path, ds_cfg):
-    backend = (ds_cfg.get('backend_args') or {}).get('backend', 'local')
-    return isinstance(path, str) and path and '://' not in path and backend == 'local'
+def _local(path, cfg):
+    if not isinstance(path, str) or not path or '://' in path:
+        return False
+    return ((cfg or {}).get('backend_args') or {}).get('backend', 'local') == 'local'
 
 
 def _join(root, p):
@@ -179,7 +180,7 @@ def missing_data_path(cfg, loaders):
                 if not exists:
                     return f'{where}.{key}', path
     for loader in loaders:
-        evaluator = loader.replace('_dataloader', '_evaluator')
+        evaluator = loader.replace('_dataloader', '_evaluator')  # train_evaluator: None
         metrics = cfg.get(evaluator)
         for i, metric in enumerate(metrics if isinstance(metrics, (list, tuple)) else [metrics]):
             ann = metric.get('ann_file') if isinstance(metric, dict) else None
