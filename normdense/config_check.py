@@ -167,7 +167,7 @@ def dataset_paths(ds_cfg):
     return out
 
 
-def missing_data_path(cfg, loaders):
+def missing_data_path(cfg, loaders, evaluators=True):
     """The first path the given dataloaders (and their evaluators' ``ann_file``, e.g. CocoMetric's) would
     read that does not exist: ``(where, path)`` or None."""
     for loader in loaders:
@@ -179,7 +179,7 @@ def missing_data_path(cfg, loaders):
                 exists = osp.isdir(path) if kind == 'dir' else osp.isfile(path)
                 if not exists:
                     return f'{where}.{key}', path
-    for loader in loaders:
+    for loader in loaders if evaluators else ():
         evaluator = loader.replace('_dataloader', '_evaluator')  # train_evaluator: None
         metrics = cfg.get(evaluator)
         for i, metric in enumerate(metrics if isinstance(metrics, (list, tuple)) else [metrics]):
@@ -204,8 +204,8 @@ def check_data_paths(cfg, mode):
     check_data_paths_of(cfg, loaders_used(cfg, mode))
 
 
-def check_data_paths_of(cfg, loaders):
-    found = missing_data_path(cfg, loaders)
+def check_data_paths_of(cfg, loaders, evaluators=True):
+    found = missing_data_path(cfg, loaders, evaluators)
     if found is not None:
         where, path = found
         raise ConfigError(f'data not found: {path} (from {where}); prepare the dataset as {DATA_GUIDE} '

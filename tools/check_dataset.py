@@ -31,7 +31,7 @@ def main(argv=None):
     try:
         cfg = launch.load_config(args.config, args.cfg_options)
         loaders = [f'{s}_dataloader' for s in args.splits]
-        launch.check_data_paths_of(cfg, loaders)
+        launch.check_data_paths_of(cfg, loaders, evaluators=False)
     except launch.USER_ERRORS as e:
         sys.exit(f'check_dataset.py: error: {e}')
     report = check_config_datasets(cfg, splits=loaders)
