@@ -147,7 +147,8 @@ def check_coco(ds, report, split):
                     s['errors'].append((name, f'{tag}: {msg}'))
             seg = a.get('segmentation')
             if isinstance(seg, dict) and list(seg.get('size', [h, w])) != [h, w]:
-                s['errors'].append((name, f'{tag}: RLE size {seg["size"]} differs from the image size {[h, w]}'))
+                s['errors'].append((name, f'{tag}: RLE size {seg["size"]} differs from the image\'s [height, width] '
+                                          f'{[h, w]} in the annotation file'))
     if skipped_classes:
         s['notes'].append(f'{skipped_classes} annotations of categories outside the config\'s classes are not used')
 
