@@ -136,15 +136,15 @@ def apply_tta(cfg, scope):
         if missing:
             raise ValueError(f'--tta needs {" and ".join(missing)} in the config (mmseg\'s default_runtime.py has '
                              "tta_model = dict(type='SegTTAModel'); its dataset configs define tta_pipeline)")
+    if scope == 'mmdet' and (cfg.get('tta_model') or {}).get('type', 'DetTTAModel') in \
+            ('DetTTAModel', 'mmdet.DetTTAModel') and _has_mask_head(cfg.model):
+        raise ValueError('--tta: mmdet\'s DetTTAModel merges boxes only ("TTA of instance segmentation does not '
+                         'support now") and this model predicts masks; test without --tta')
     if 'tta_model' not in cfg:
         default = (dict(type='DetTTAModel', tta_cfg=dict(nms=dict(type='nms', iou_threshold=0.5), max_per_img=100))
                    if scope == 'mmdet' else dict(type='mmpretrain.AverageClsScoreTTA'))
         warnings.warn(f'--tta: no tta_model in the config, using {scope}\'s default {default}')
         cfg.tta_model = default
-    if scope == 'mmdet' and cfg.tta_model.get('type') in ('DetTTAModel', 'mmdet.DetTTAModel') \
-            and _has_mask_head(cfg.model):
-        raise ValueError('--tta: mmdet\'s DetTTAModel merges boxes only ("TTA of instance segmentation does not '
-                         'support now") and this model predicts masks; test without --tta')
     if 'tta_pipeline' not in cfg:
         test_data = cfg.test_dataloader.dataset
         while 'dataset' in test_data:

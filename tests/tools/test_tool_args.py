@@ -113,7 +113,8 @@ def test_tta_mmdet_wraps_the_model(tmp_path):
     # a config's own tta_model and tta_pipeline are used as they are
     cfg = Config.fromfile(DET_BOX)
     cfg.tta_model = dict(type='DetTTAModel', tta_cfg=dict(nms=dict(type='nms', iou_threshold=0.6), max_per_img=50))
-    cfg.tta_pipeline = [dict(type='LoadImageFromFile'), dict(type='TestTimeAug', transforms=[[dict(type='PackDetInputs')]])]
+    cfg.tta_pipeline = [dict(type='LoadImageFromFile'),
+                        dict(type='TestTimeAug', transforms=[[dict(type='PackDetInputs')]])]
     with warnings.catch_warnings():
         warnings.simplefilter('error')
         launch.apply_tta(cfg, 'mmdet')
