@@ -148,7 +148,7 @@ def channel_map_of(norm: nn.Module) -> Tuple[torch.Tensor, torch.Tensor, nn.Modu
         return torch.diag(_f64(norm.weight)), _f64(norm.bias), nn.Identity()
     if isinstance(norm, IterNorm):
         c = norm.num_features
-        wm = torch.zeros(c, c, dtype=torch.float64)
+        wm = torch.zeros(c, c, dtype=torch.float64, device=norm.running_wm.device)
         for c0, g0, ng, size in norm._blocks:
             for i in range(ng):
                 s = c0 + i * size
@@ -255,7 +255,7 @@ def _fold_into_conv(conv: nn.Conv2d, a: torch.Tensor, c: torch.Tensor, diag: boo
         return None
     conv = _plain_conv(conv)
     w = conv.weight.detach().double()
-    b = conv.bias.detach().double() if conv.bias is not None else torch.zeros(w.shape[0], dtype=torch.float64)
+    b = conv.bias.detach().double() if conv.bias is not None else w.new_zeros(w.shape[0])
     if diag:
         d = torch.diagonal(a)
         new_w = w * d.view(-1, 1, 1, 1)

@@ -187,7 +187,7 @@ class IterNorm(nn.Module):
         self.running_mean.zero_()
         self.running_wm.zero_()
         for _, g0, n, size in self._blocks:
-            self.running_wm[g0:g0 + n, :size, :size] = torch.eye(size)
+            self.running_wm[g0:g0 + n, :size, :size] = torch.eye(size, device=self.running_wm.device)
 
     def reset_parameters(self) -> None:
         self.reset_running_stats()
