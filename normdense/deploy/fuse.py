@@ -164,7 +164,8 @@ def channel_map_of(norm: nn.Module) -> Tuple[torch.Tensor, torch.Tensor, nn.Modu
 
 def _group_norm_of(bcn: BatchChannelNorm2d) -> nn.GroupNorm:
     """BCN's channel stage as a plain nn.GroupNorm (per-group affine expanded to per channel)."""
-    gn = nn.GroupNorm(bcn.num_groups, bcn.num_channels, eps=bcn.eps, affine=True)
+    gn = nn.GroupNorm(bcn.num_groups, bcn.num_channels, eps=bcn.eps, affine=True, device=bcn.weight.device,
+                      dtype=bcn.weight.dtype)
     weight, bias = bcn.weight.detach(), bcn.bias.detach()
     if bcn.group_affine:
         per_group = bcn.num_channels // bcn.num_groups
@@ -172,7 +173,7 @@ def _group_norm_of(bcn: BatchChannelNorm2d) -> nn.GroupNorm:
     with torch.no_grad():
         gn.weight.copy_(weight)
         gn.bias.copy_(bias)
-    return gn.to(device=bcn.weight.device, dtype=bcn.weight.dtype)
+    return gn
 
 
 def _standalone(norm: nn.Module) -> nn.Module:
@@ -185,7 +186,8 @@ def _standalone(norm: nn.Module) -> nn.Module:
     if isinstance(norm, Unitization2d):
         return UnitizationStage2(norm, torch.diagonal(a), c).to(device)
     if is_diag:
-        aff = ChannelAffine(a.shape[0])
+        with torch.device(device):  # built where it runs: no CPU copy to move
+            aff = ChannelAffine(a.shape[0])
         with torch.no_grad():
             aff.weight.copy_(torch.diagonal(a))
             aff.bias.copy_(c)

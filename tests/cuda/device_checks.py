@@ -119,3 +119,27 @@ def _autocast_off_accepts_meta():
         yield
     finally:
         torch.autocast = real
+
+
+@contextlib.contextmanager
+def fake_cuda(module: torch.nn.Module):
+    """Give ``module`` fresh parameters and buffers of the same shapes on a *fake* CUDA device (torch's
+    ``FakeTensorMode``, which works without a GPU: shapes, dtypes and devices only, no values) and yield
+    it inside the mode. Code that mixes a CPU tensor with it fails as on a real GPU. Values are not
+    computed: use it for code whose control flow does not depend on them (e.g. ``deploy.fuse``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)  # .to() of modules made inside the mode
+    try:
+        with FakeTensorMode():
+            for m in module.modules():
+                for n, p in list(m._parameters.items()):
+                    if p is not None:
+                        m._parameters[n] = torch.nn.Parameter(
+                            torch.empty(p.shape, dtype=p.dtype, device='cuda'), p.requires_grad)
+                for n, b in list(m._buffers.items()):
+                    if b is not None:
+                        m._buffers[n] = torch.empty(b.shape, dtype=b.dtype, device='cuda')
+            yield module
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)

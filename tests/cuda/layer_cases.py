@@ -71,3 +71,16 @@ CASES = [
 
 def case_params(cases=CASES):
     return [pytest.param(c, id=c.name.replace(' ', '-')) for c in cases]
+
+
+def fuse_model() -> nn.Module:
+    """A 16-channel chain with every foldable pair and every standalone norm of ``deploy.fuse`` (input
+    (N, 16, H, W), non-negative for the EquiConv2d)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        EquiConv2d(16, 16, 3, padding=1, bias=False), ChannelAffine(16), nn.ReLU(),
+        WSConv2d(16, 16, 3, padding=1), BatchChannelNorm2d(16, 4, update_rate=0.1), nn.ReLU(),
+        nn.Conv2d(16, 16, 1, bias=False), IterNorm(16, group_size=6), nn.ReLU(),
+        EquiConv2d(16, 16, 3, stride=2, padding=1), Unitization2d(16), nn.ReLU(),
+        WSConv2d(16, 16, 1), BatchChannelNorm2d(16, 4, mode='batch'),
+        IterNorm(16, group_size=8), Unitization2d(16), BatchChannelNorm2d(16, 4, update_rate=0.1))

@@ -3,8 +3,9 @@ tensors created on the CPU, checked with the detectors of ``tests/cuda/device_ch
 import pytest
 import torch
 
-from tests.cuda.device_checks import HostSyncRecorder, run_on_meta, train_step
-from tests.cuda.layer_cases import CASES, case_params
+from normdense.deploy.fuse import fuse
+from tests.cuda.device_checks import HostSyncRecorder, fake_cuda, run_on_meta, train_step
+from tests.cuda.layer_cases import CASES, case_params, fuse_model
 
 
 @pytest.mark.parametrize('case', case_params())
@@ -65,3 +66,15 @@ def test_meta_check_catches_cpu_tensors_and_value_reads():
         with pytest.raises((RuntimeError, NotImplementedError)):
             run_on_meta(module, x)
     assert len(CASES) > 20
+
+
+def test_fuse_keeps_everything_on_the_model_device():
+    """deploy.fuse on a model whose tensors live on a (fake) CUDA device: every folding step and the fused
+    model's forward stay there (it used to build IterNorm's block matrix and a missing conv bias on the CPU)."""
+    with fake_cuda(fuse_model().eval()) as model:
+        stats = {}
+        fused = fuse(model, stats=stats)
+        out = fused(torch.randn(2, 16, 9, 9, device='cuda').relu())
+        assert out.device.type == 'cuda'
+        assert {t.device.type for t in fused.state_dict().values()} == {'cuda'}
+    assert stats['folded'] >= 5 and stats['standalone'] >= 2, stats
