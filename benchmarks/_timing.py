@@ -69,3 +69,30 @@ def saved_activation_bytes(fn: Callable[[], torch.Tensor], exclude: List[torch.T
         out = fn()
     del out
     return sum(seen.values())
+
+
+def device_times(fns: Dict[str, Callable[[], None]], repeats: int, warmup: int, device: str) -> Dict[str, List[float]]:
+    """``interleaved_times`` for an accelerator: each call is timed with CUDA events on the current stream
+    (the GPU time between them, not the host's launch time); one synchronization per round, none inside a
+    timed call. On the CPU it is ``interleaved_times``. Seconds, like ``interleaved_times``."""
+    if device == 'cpu':
+        return interleaved_times(fns, repeats, warmup)
+    names = list(fns)
+    for _ in range(warmup):
+        for n in names:
+            fns[n]()
+    torch.cuda.synchronize()
+    times = {n: [] for n in names}
+    for r in range(repeats):
+        k = r % len(names)
+        events = []
+        for n in names[k:] + names[:k]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[n]()
+            end.record()
+            events.append((n, start, end))
+        torch.cuda.synchronize()
+        for n, start, end in events:
+            times[n].append(start.elapsed_time(end) / 1e3)
+    return times

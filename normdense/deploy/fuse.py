@@ -149,7 +149,8 @@ def channel_map_of(norm: nn.Module) -> Tuple[torch.Tensor, torch.Tensor, nn.Modu
 
 def _group_norm_of(bcn: BatchChannelNorm2d) -> nn.GroupNorm:
     """BCN's channel stage as a plain nn.GroupNorm (per-group affine expanded to per channel)."""
-    gn = nn.GroupNorm(bcn.num_groups, bcn.num_channels, eps=bcn.eps, affine=True)
+    gn = nn.GroupNorm(bcn.num_groups, bcn.num_channels, eps=bcn.eps, affine=True, device=bcn.weight.device,
+                      dtype=bcn.weight.dtype)
     weight, bias = bcn.weight.detach(), bcn.bias.detach()
     if bcn.group_affine:
         per_group = bcn.num_channels // bcn.num_groups
@@ -157,7 +158,7 @@ def _group_norm_of(bcn: BatchChannelNorm2d) -> nn.GroupNorm:
     with torch.no_grad():
         gn.weight.copy_(weight)
         gn.bias.copy_(bias)
-    return gn.to(device=bcn.weight.device, dtype=bcn.weight.dtype)
+    return gn
 
 
 def _standalone(norm: nn.Module) -> nn.Module:
@@ -170,7 +171,8 @@ def _standalone(norm: nn.Module) -> nn.Module:
     if isinstance(norm, Unitization2d):
         return UnitizationStage2(norm, torch.diagonal(a), c).to(device)
     if is_diag:
-        aff = ChannelAffine(a.shape[0])
+        with torch.device(device):  # built where it runs: no CPU copy to move
+            aff = ChannelAffine(a.shape[0])
         with torch.no_grad():
             aff.weight.copy_(torch.diagonal(a))
             aff.bias.copy_(c)
@@ -233,7 +235,7 @@ def _fold_into_conv(conv: nn.Conv2d, a: torch.Tensor, c: torch.Tensor, diag: boo
         return None
     conv = _plain_conv(conv)
     w = conv.weight.detach().double()
-    b = conv.bias.detach().double() if conv.bias is not None else torch.zeros(w.shape[0], dtype=torch.float64)
+    b = conv.bias.detach().double() if conv.bias is not None else w.new_zeros(w.shape[0])
     if diag:
         d = torch.diagonal(a)
         new_w = w * d.view(-1, 1, 1, 1)

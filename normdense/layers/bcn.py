@@ -81,23 +81,25 @@ def update_estimates_(x: torch.Tensor, running_mean: torch.Tensor, running_var: 
             second = (sq - 2 * mu64 * mean_b.double() + mu64 * mu64).clamp_(min=0).to(xf.dtype)
         else:  # e.g. a RoI head that got no RoIs: contributes nothing (but still joins the all-reduce)
             mean_b = second = xf.new_zeros(channels)
-        sums = torch.cat([mean_b * count, second * count, xf.new_tensor([count])])
+        # new_full, not new_tensor: a tensor from Python data is a host-to-device copy (a sync on CUDA)
+        sums = torch.cat([mean_b * count, second * count, xf.new_full((1, ), count)])
         if sync and _world_size() > 1:
             dist.all_reduce(sums)
         total = sums[-1]
-        if total == 0:
-            return
+        # no samples anywhere: a zero rate instead of `if total == 0: return` (that reads the value: a sync)
+        rate = (total > 0).to(xf.dtype) * rate
+        total = total.clamp(min=1)
         mean_b, second = sums[:channels] / total, sums[channels:2 * channels] / total
-        running_mean.add_(rate * (mean_b - mu_hat).to(running_mean.dtype))
-        running_var.add_(rate * (second - running_var.to(xf.dtype)).to(running_var.dtype))
+        running_mean.add_((rate * (mean_b - mu_hat)).to(running_mean.dtype))
+        running_var.add_((rate * (second - running_var.to(xf.dtype))).to(running_var.dtype))
 
 
 def _synced_batch_moments(x: torch.Tensor):
     """Differentiable per-channel mean and biased variance over every process's batch (batch mode)."""
     from torch.distributed.nn.functional import all_reduce
     dims = [0, 2, 3]
-    count = x.new_tensor([x.numel() // x.shape[1]], dtype=torch.float32)
-    packed = torch.cat([x.sum(dims), (x * x).sum(dims), count.to(x.dtype)])
+    count = x.new_full((1, ), x.numel() // x.shape[1])  # not new_tensor: no host-to-device copy
+    packed = torch.cat([x.sum(dims), (x * x).sum(dims), count])
     packed = all_reduce(packed)
     total = packed[-1]
     s, ss = packed[:-1].chunk(2)

@@ -188,7 +188,7 @@ class IterNorm(nn.Module):
         self.running_mean.zero_()
         self.running_wm.zero_()
         for _, g0, n, size in self._blocks:
-            self.running_wm[g0:g0 + n, :size, :size] = torch.eye(size)
+            self.running_wm[g0:g0 + n, :size, :size] = torch.eye(size, device=self.running_wm.device)
 
     def reset_parameters(self) -> None:
         self.reset_running_stats()
@@ -256,7 +256,7 @@ class IterNorm(nn.Module):
     def eval_linear(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(matrix, bias), float64, of the eval-mode map ``gamma * W_run (x - mu_run) + beta``: a (C, C)
         block-diagonal matrix (one whitening block per group) and a (C,) vector."""
-        wm = torch.zeros(self.num_features, self.num_features, dtype=torch.float64)
+        wm = torch.zeros(self.num_features, self.num_features, dtype=torch.float64, device=self.running_wm.device)
         for c0, g0, ng, size in self._blocks:
             for i in range(ng):
                 s = c0 + i * size

@@ -167,7 +167,9 @@ class Unitization2d(nn.Module):
         if update:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
-                m = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+                # cumulative average: a tensor factor (float() of the counter would be a host sync)
+                m = (1.0 / self.num_batches_tracked).to(self.running_mean.dtype) if self.momentum is None \
+                    else self.momentum
                 self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), m)
                 unbiased = var.detach() * (count / (count - 1))
                 self.running_var.lerp_(unbiased.to(self.running_var.dtype), m)

@@ -76,7 +76,7 @@ class WSConv2d(nn.Conv2d):
 
     def forward(self, x):
         weight = self.standardized_weight()
-        if weight.dtype != x.dtype and not torch.is_autocast_enabled():
+        if weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
             weight = weight.to(x.dtype)
         return self._conv_forward(x, weight, self.bias)
 

@@ -1,0 +1,13 @@
+"""Tests marked ``cuda`` need a GPU: without one they are reported as skipped ("needs CUDA: not run"),
+never as passed, so ``pytest -ra`` lists every one of them."""
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason='needs CUDA: not run')
+    for item in items:
+        if item.get_closest_marker('cuda') is not None:  # not item.keywords: it holds 'cuda' of tests/cuda/
+            item.add_marker(skip)
