@@ -16,13 +16,14 @@ from .hooks.strict_load import StrictLoadHook  # noqa: E402
 HOOKS.register_module(name='StrictLoadHook', module=StrictLoadHook)
 
 # --- Weight Standardization and Batch-Channel Normalization (WS/BCN paper) -------------------------
-from .hooks.bcn_rate import BCNRateHook  # noqa: E402
+from .hooks.estimate_rate import BCNRateHook, EstimateRateHook  # noqa: E402
 from .layers.bcn import BatchChannelNorm2d  # noqa: E402
 from .layers.ws import WSConv2d  # noqa: E402
 
 MODELS.register_module(name='WSConv2d', module=WSConv2d)
 MODELS.register_module(name='BCN', module=BatchChannelNorm2d)
-HOOKS.register_module(name='BCNRateHook', module=BCNRateHook)
+HOOKS.register_module(name='EstimateRateHook', module=EstimateRateHook)
+HOOKS.register_module(name='BCNRateHook', module=BCNRateHook)  # the first name, kept for configs
 
 # --- Unitization, EquiNorm and the diagnostics hook (Unitization / EquiNorm papers) ----------------
 from .hooks.diagnostics import NormDiagnosticsHook  # noqa: E402

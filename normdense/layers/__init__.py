@@ -1,1 +1,2 @@
 """Plain nn.Module implementations, one file per paper method (registered in normdense/registry.py)."""
+from ._estimate import EstimateRateMixin, set_update_rate  # noqa: F401  (estimate-mode rate, shared)

@@ -56,6 +56,14 @@ def _device_autocast(device_type: str) -> Tuple[bool, torch.dtype]:
     raise RuntimeError(f'no autocast state query for {device_type!r} before torch 2.4')
 
 
+def autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` (any torch version; False where it has no autocast)."""
+    try:
+        return _device_autocast(device_type)[0]
+    except RuntimeError:
+        return False
+
+
 def _autocast_state(tensors) -> Dict[str, Tuple[bool, torch.dtype]]:
     state = {}
     for d in {'cpu'} | {t.device.type for t in tensors}:

@@ -20,13 +20,17 @@ running statistics with ``momentum`` for eval), optionally synchronized across p
     sigma_hat2_c += r (sigma_dot2_c - sigma_hat2_c)                   (step 4)
 
 and then normalizes with the updated estimates (steps 5-8); eval uses the same estimates. The paper sets
-r to the learning rate: ``BCNRateHook`` (normdense.hooks) copies the optimizer's current lr into every
-estimate-mode layer before each iteration, or ``update_rate`` fixes r. A training forward with neither
+r to the learning rate: ``EstimateRateHook`` (alias ``BCNRateHook``; normdense.hooks) copies the optimizer's
+current lr into every estimate-mode layer before each iteration, or ``update_rate`` fixes r; r must lie in
+[0, 1] wherever it is set (``normdense/layers/_estimate.py``, shared with Unitization). A training forward with neither
 raises instead of silently leaving the estimates at their initial values (the public code's r buffer
 starts at 0 and nothing sets it). In multi-process training the moments of steps 1-2 are averaged over
 all processes (``sync_stats``) so every replica keeps identical estimates.
 
-sigma_hat is taken as sqrt(sigma_hat2 + eps) for numerical safety, as BN does.
+sigma_hat is taken as sqrt(sigma_hat2 + eps) for numerical safety, as BN does (eps > 0 is required).
+The estimates stay float32 when the module is cast to fp16/bf16 (an r-sized update is below bf16's
+resolution). Batch 1 on a 1x1 map works in estimate mode as long as each group of the channel stage has
+>= 2 channels: with one value per group, Eq. 42 would output its bias alone, so that raises ``ValueError``.
 
 Integration choices (documented in the README):
 * BCN subclasses ``nn.GroupNorm`` because its output stage *is* a group norm. OpenMMLab treats it as a
@@ -44,54 +48,17 @@ Integration choices (documented in the README):
 from typing import Optional, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._checks import check_group_values
+# update_estimates_ and set_update_rate keep their old import path (normdense.layers.bcn)
+from ._estimate import EstimateRateMixin, check_rate, set_update_rate, update_estimates_  # noqa: F401
+from ._estimate import world_size as _world_size
 from ._eval_maps import standardization_affine
 from ._recompute import checkpoint_once, recompute_active
 
 BCN_MODES = ('batch', 'estimate')
-
-
-def _world_size():
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def update_estimates_(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, rate: float,
-                      sync: bool = True) -> None:
-    """Steps 1-4 of Algorithm 1, in place, outside autograd.
-
-    The variance is taken around the current estimate, which equals the batch variance plus the squared
-    distance of the batch mean from the estimate. With ``sync`` the per-channel sums are all-reduced so
-    every process applies the same update (exact also for unequal per-process batch sizes).
-    """
-    with torch.no_grad():
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        channels = xf.shape[1]
-        count = xf.numel() // channels
-        mu_hat = running_mean.to(xf.dtype)
-        if count:
-            # Two plain reductions (torch.var_mean's Welford reduction over N, H, W is ~20x slower on CPU).
-            # E[(x - mu_hat)^2] = E[x^2] - 2 mu_hat E[x] + mu_hat^2, combined in float64.
-            dims = [d for d in range(xf.dim()) if d != 1]
-            mean_b = xf.mean(dims)
-            sq = (xf * xf).mean(dims).double()
-            mu64 = mu_hat.double()
-            second = (sq - 2 * mu64 * mean_b.double() + mu64 * mu64).clamp_(min=0).to(xf.dtype)
-        else:  # e.g. a RoI head that got no RoIs: contributes nothing (but still joins the all-reduce)
-            mean_b = second = xf.new_zeros(channels)
-        # new_full, not new_tensor: a tensor from Python data is a host-to-device copy (a sync on CUDA)
-        sums = torch.cat([mean_b * count, second * count, xf.new_full((1, ), count)])
-        if sync and _world_size() > 1:
-            dist.all_reduce(sums)
-        total = sums[-1]
-        # no samples anywhere: a zero rate instead of `if total == 0: return` (that reads the value: a sync)
-        rate = (total > 0).to(xf.dtype) * rate
-        total = total.clamp(min=1)
-        mean_b, second = sums[:channels] / total, sums[channels:2 * channels] / total
-        running_mean.add_((rate * (mean_b - mu_hat)).to(running_mean.dtype))
-        running_var.add_((rate * (second - running_var.to(xf.dtype))).to(running_var.dtype))
 
 
 def _synced_batch_moments(x: torch.Tensor):
@@ -103,11 +70,11 @@ def _synced_batch_moments(x: torch.Tensor):
     packed = all_reduce(packed)
     total = packed[-1]
     s, ss = packed[:-1].chunk(2)
-    mean = s / total
-    return mean, ss / total - mean * mean, total
+    mean = s / total.clamp(min=1)  # every rank empty: 0, not 0/0 (the caller leaves the running stats)
+    return mean, ss / total.clamp(min=1) - mean * mean, total
 
 
-class BatchChannelNorm2d(nn.GroupNorm):
+class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
     """Batch-Channel Normalization (Eq. 40-43, Algorithm 1); see the module docstring.
 
     Args:
@@ -116,8 +83,8 @@ class BatchChannelNorm2d(nn.GroupNorm):
         mode: ``'estimate'`` (micro batch, Algorithm 1; default) or ``'batch'`` (Eq. 43).
         eps: added to both stages' variances.
         momentum: running-statistics momentum of ``'batch'`` mode (eval statistics), as in BN.
-        update_rate: fixed r for ``'estimate'`` mode. ``None`` (default) takes r from ``BCNRateHook``
-            (the optimizer's current learning rate) or ``set_update_rate``.
+        update_rate: fixed r in [0, 1] for ``'estimate'`` mode. ``None`` (default) takes r from
+            ``EstimateRateHook`` (the optimizer's current learning rate) or ``set_update_rate``.
         sync_stats: average the moments across processes in distributed training (estimate mode: the
             estimates' update; batch mode: the normalizing batch statistics, differentiably, like
             SyncBN). Default on for estimate mode; off for batch mode, where it costs a collective in
@@ -138,18 +105,17 @@ class BatchChannelNorm2d(nn.GroupNorm):
             raise ValueError(f'BCN mode must be one of {BCN_MODES}, got {mode!r}')
         if num_groups <= 0 or num_features % num_groups:
             raise ValueError(f'BCN num_groups={num_groups} must be positive and divide num_features={num_features}')
-        if update_rate is not None and mode != 'estimate':
-            raise ValueError("BCN update_rate only applies to mode='estimate'")
-        if update_rate is not None and not 0.0 <= update_rate <= 1.0:
-            raise ValueError(f'BCN update_rate must lie in [0, 1], got {update_rate}')
+        if not eps > 0:  # eps <= 0 divides by zero on a constant group or channel
+            raise ValueError(f'BCN eps must be positive, got {eps!r}')
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum <= 1.0:
+            raise ValueError(f'BCN momentum (batch mode\'s running statistics) must be a number in [0, 1], '
+                             f'got {momentum!r}')
         super().__init__(num_groups, num_features, eps=eps, affine=False)
-        self.mode = mode
+        self._init_estimate_rate(mode, update_rate)
         self.momentum = momentum
-        self.update_rate = update_rate
         self.sync_stats = (mode == 'estimate') if sync_stats is None else sync_stats
         self.group_affine = group_affine
         self.recompute = bool(recompute)
-        self.current_rate: Optional[float] = None  # set by BCNRateHook / set_update_rate each iteration
         # Batch-knowledge stage (Eq. 40) and channel stage (Eq. 42) affines. The channel stage's keep
         # GroupNorm's names so GN checkpoints map onto it.
         affine_shape = num_groups if group_affine else num_features
@@ -159,23 +125,6 @@ class BatchChannelNorm2d(nn.GroupNorm):
         self.batch_bias = nn.Parameter(torch.zeros(num_features))
         self.register_buffer('running_mean', torch.zeros(num_features))
         self.register_buffer('running_var', torch.ones(num_features))
-
-    @property
-    def needs_update_rate(self) -> bool:
-        """True for layers whose r comes from outside (read by BCNRateHook)."""
-        return self.mode == 'estimate' and self.update_rate is None
-
-    def _rate(self) -> float:
-        if self.update_rate is not None:
-            return self.update_rate
-        if self.current_rate is None:
-            raise RuntimeError(
-                "BatchChannelNorm2d(mode='estimate') is training but has no update rate r, so its estimates "
-                "would never move. Add custom_hooks=[dict(type='BCNRateHook')] to the config (r = the "
-                "optimizer's current learning rate, as in the paper), call "
-                "normdense.layers.bcn.set_update_rate(model, lr) each iteration, or set a fixed "
-                "norm_cfg update_rate=...")
-        return self.current_rate
 
     def _batch_stage(self, x):
         if self.mode == 'estimate':
@@ -198,8 +147,10 @@ class BatchChannelNorm2d(nn.GroupNorm):
         mean, var, count = _synced_batch_moments(x)
         with torch.no_grad():
             unbiased = var * count / (count - 1).clamp(min=1)
-            self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), self.momentum)
-            self.running_var.lerp_(unbiased.detach().to(self.running_var.dtype), self.momentum)
+            # no sample on any rank: weight 0 keeps the running statistics (a tensor: no host sync)
+            weight = (count > 0).to(self.running_mean.dtype) * self.momentum
+            self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), weight)
+            self.running_var.lerp_(unbiased.detach().to(self.running_var.dtype), weight)
         return mean, var
 
     def _affine(self, x, mean, var, batch_weight, batch_bias):
@@ -219,6 +170,7 @@ class BatchChannelNorm2d(nn.GroupNorm):
     def forward(self, x):
         if x.dim() != 4:
             raise ValueError(f'BatchChannelNorm2d expects (N, C, H, W) input, got shape {tuple(x.shape)}')
+        check_group_values(x, self.num_channels, self.num_groups, 'BatchChannelNorm2d')
         if recompute_active(self, x):
             return self._forward_recompute(x)
         return self._channel_stage(self._batch_stage(x), self.weight, self.bias)
@@ -259,7 +211,7 @@ class BatchChannelNorm2d(nn.GroupNorm):
             self.running_var.fill_(1.0)
 
     def extra_repr(self):
-        rate = self.update_rate if self.update_rate is not None else 'lr (BCNRateHook)'
+        rate = self.update_rate if self.update_rate is not None else 'lr (EstimateRateHook)'
         s = f'{self.num_channels}, num_groups={self.num_groups}, mode={self.mode!r}, eps={self.eps}'
         s += f', update_rate={rate}' if self.mode == 'estimate' else f', momentum={self.momentum}'
         s += f', sync_stats={self.sync_stats}, group_affine={self.group_affine}'
@@ -328,13 +280,3 @@ def _to_bcn(cls, module, num_groups, bcn_kwargs):
     bcn.train(module.training)
     return bcn
 
-
-def set_update_rate(module: nn.Module, rate: float) -> int:
-    """Set r on every estimate-mode layer of ``module`` that takes its rate from outside (for training
-    loops without mmengine; call it with the current learning rate before each step). Returns the count."""
-    n = 0
-    for m in module.modules():
-        if getattr(m, 'needs_update_rate', False):
-            m.current_rate = float(rate)
-            n += 1
-    return n

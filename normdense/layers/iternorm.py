@@ -18,7 +18,10 @@ every sample is an observation, so batch size 1 works):
 
 Training uses batch statistics and updates the running mean and running whitening matrix with
 momentum lambda (Eq. 8, init 0 and I); eval uses the running ones, so the layer is then an affine
-1x1 convolution. Gradients flow by autograd through the T iterations (the paper's Eq. 6-7 manual
+1x1 convolution. Training needs m >= 2 observations (N*H*W, as BatchNorm needs more than one value per
+channel): with one, the centred data is all zero, the output carries no information and the running
+whitening matrix would drift towards eps^{-1/2} I, so a training forward with m = 1 raises ``ValueError``
+(an empty input passes through untouched). Gradients flow by autograd through the T iterations (the paper's Eq. 6-7 manual
 backward is not needed). The whitening runs in float32 (float64 for float64 inputs) with autocast
 disabled.
 
@@ -211,6 +214,11 @@ class IterNorm(nn.Module):
             shape = (1, -1) + (1, ) * (x.dim() - 2)
             # keep gamma/beta in the graph (DDP expects every parameter to get a gradient)
             return x * self.weight.view(shape) + self.bias.view(shape)
+        if self.training and x.numel() // x.size(1) < 2:
+            raise ValueError(
+                f'IterNorm needs at least 2 observations (N*H*W) per channel in training to whiten, got input '
+                f'{tuple(x.shape)}: use it where batch x spatial size >= 2 (e.g. not on (1, C) features or a '
+                f'1x1 map at batch 1), or put the layer in eval mode')
         if recompute_active(self, x):
             # training mode fixed at forward time; the running statistics are updated by the forward
             # call only (first=True), the recomputation in backward only rebuilds the graph

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from ._activations import PROXY_NORM_ACTIVATIONS
 from ._activations import resolve_activation as _resolve_activation
+from ._checks import check_group_values
 from ._recompute import checkpoint_once, recompute_active
 
 __all__ = ['GroupProxyNorm', 'proxy_quantiles', 'PROXY_NORM_ACTIVATIONS']
@@ -183,6 +184,7 @@ class GroupProxyNorm(nn.GroupNorm):
         if x.dim() < 2 or x.size(1) != self.num_channels:
             raise ValueError(f'GNPN expects input (N, {self.num_channels}, ...), '
                              f'got shape {tuple(x.shape)}')
+        check_group_values(x, self.num_channels, self.num_groups, 'GNPN')
         dtype = _stat_dtype(x, self.weight)
         params = (self.weight, self.bias, self.proxy_beta, self.proxy_gamma)
         if recompute_active(self, x):

@@ -28,11 +28,13 @@ Statistics of stage 1:
   with ``momentum``, unbiased variance, as ``nn.BatchNorm``) in eval.
 * ``mode='estimate'`` (OUR extension, not in the paper): stage 1 normalizes with BCN-style estimates
   mu_hat, sigma_hat^2 (init 0 and 1, Algorithm 1 of the WS/BCN paper) that the loss does not train. Each
-  training forward first moves them with rate r (``normdense.layers.bcn.update_estimates_``), then
+  training forward first moves them with rate r (``normdense.layers._estimate.update_estimates_``), then
   normalizes with them; eval uses them unchanged. This removes the batch dependence of stage 1 so the
-  layer trains at batch size 1 on 1x1 maps (stage 2 is per sample anyway). r comes from ``BCNRateHook``
-  (the optimizer's current lr, as BCN) or a fixed ``update_rate``; a training forward with neither
-  raises ``RuntimeError``. The estimates live in the ``running_mean``/``running_var`` buffers.
+  layer trains at batch size 1 on 1x1 maps (stage 2 is per sample anyway). r comes from ``EstimateRateHook``
+  (alias ``BCNRateHook``; the optimizer's current lr, as BCN) or a fixed ``update_rate``, in [0, 1]; a
+  training forward with neither raises ``RuntimeError``. The estimates live in the
+  ``running_mean``/``running_var`` buffers (kept float32 under ``model.half()``/``bfloat16()``); an empty
+  input (a RoI head with no RoIs) still joins ``sync_stats``'s all-reduce, with a count of 0.
 
 ``recompute=True`` (off by default) keeps only the layer's input for backward and recomputes both stages
 in backward (batch mode: plain autograd keeps three activation-sized tensors, the input, x_hat and the
@@ -45,9 +47,9 @@ from typing import Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ._estimate import EstimateRateMixin, update_estimates_
 from ._eval_maps import standardization_affine
 from ._recompute import checkpoint_once, recompute_active
-from .bcn import update_estimates_
 
 UNITIZATION_MODES = ('batch', 'estimate')
 
@@ -58,7 +60,7 @@ def _compute_input(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
-class Unitization2d(nn.Module):
+class Unitization2d(EstimateRateMixin, nn.Module):
     """Unitization layer (Algorithm 2); see the module docstring.
 
     Args:
@@ -69,7 +71,7 @@ class Unitization2d(nn.Module):
         n: divisor of the per-sample squared norm (Algorithm 2 line 9). ``None`` (default) uses the
             number of spatial positions of the current input (H*W); a positive number fixes it.
         mode: ``'batch'`` (the paper) or ``'estimate'`` (BCN-style running estimates; our extension).
-        update_rate: fixed r for ``'estimate'`` mode; ``None`` takes it from ``BCNRateHook``.
+        update_rate: fixed r in [0, 1] for ``'estimate'`` mode; ``None`` takes it from ``EstimateRateHook``.
         sync_stats: all-reduce the estimate update across processes (estimate mode only), as BCN does.
         recompute: in training, save only the input for backward and recompute both stages in backward
             (batch mode: 1x instead of 3x nn.GroupNorm's activation memory; estimate mode: 1x either
@@ -92,20 +94,14 @@ class Unitization2d(nn.Module):
             raise ValueError(f'Unitization eps must be positive, got {eps!r}')
         if momentum is not None and not 0.0 <= momentum <= 1.0:
             raise ValueError(f'Unitization momentum must lie in [0, 1] or be None, got {momentum!r}')
-        if update_rate is not None and mode != 'estimate':
-            raise ValueError("Unitization update_rate only applies to mode='estimate'")
-        if update_rate is not None and not 0.0 <= update_rate <= 1.0:
-            raise ValueError(f'Unitization update_rate must lie in [0, 1], got {update_rate!r}')
+        self._init_estimate_rate(mode, update_rate)
         self.num_features = num_features
         self.eps = float(eps)
         self.momentum = momentum
         self.affine = affine
         self.n = None if n is None else float(n)
-        self.mode = mode
-        self.update_rate = update_rate
         self.sync_stats = sync_stats
         self.recompute = bool(recompute)
-        self.current_rate: Optional[float] = None  # set by BCNRateHook / bcn.set_update_rate
         self.alpha = nn.Parameter(torch.zeros(num_features))
         if affine:
             self.weight = nn.Parameter(torch.ones(num_features))
@@ -117,22 +113,6 @@ class Unitization2d(nn.Module):
         self.register_buffer('running_mean', torch.zeros(num_features))
         self.register_buffer('running_var', torch.ones(num_features))
         self.register_buffer('num_batches_tracked', torch.tensor(0, dtype=torch.long))
-
-    # --- rate plumbing, same convention as BatchChannelNorm2d (read by BCNRateHook) ---
-    @property
-    def needs_update_rate(self) -> bool:
-        return self.mode == 'estimate' and self.update_rate is None
-
-    def _rate(self) -> float:
-        if self.update_rate is not None:
-            return self.update_rate
-        if self.current_rate is None:
-            raise RuntimeError(
-                "Unitization2d(mode='estimate') is training but has no update rate r, so its estimates "
-                "would never move. Add custom_hooks=[dict(type='BCNRateHook')] to the config (r = the "
-                "optimizer's current learning rate), call normdense.layers.bcn.set_update_rate(model, lr) "
-                "each iteration, or set a fixed norm_cfg update_rate=...")
-        return self.current_rate
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.alpha)
@@ -181,7 +161,10 @@ class Unitization2d(nn.Module):
                              f'got shape {tuple(x.shape)}')
         if x.numel() == 0:
             # mmdet's RoI heads can see zero RoIs: no statistics to take (they would be NaN and poison
-            # the running buffers); keep the parameters in the graph for DDP.
+            # the running buffers); keep the parameters in the graph for DDP. Estimate mode still joins
+            # the other ranks' all-reduce of the update (with a count of 0), so the collectives line up.
+            if self.mode == 'estimate' and self.training:
+                self._stage1_stats(_compute_input(x))
             return x * 0 + sum(p.sum() for p in self.parameters()) * 0
         if recompute_active(self, x):
             return self._forward_recompute(x)
@@ -236,6 +219,6 @@ class Unitization2d(nn.Module):
         if self.recompute:
             s += ', recompute=True'
         if self.mode == 'estimate':
-            rate = self.update_rate if self.update_rate is not None else 'lr (BCNRateHook)'
+            rate = self.update_rate if self.update_rate is not None else 'lr (EstimateRateHook)'
             return s + f', update_rate={rate}'
         return s + f', momentum={self.momentum}'

@@ -18,6 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._recompute import autocast_enabled
+
 WS_FORMULAS = ('paper', 'std_unbiased', 'var_unbiased')
 
 
@@ -65,6 +67,8 @@ class WSConv2d(nn.Conv2d):
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
                  bias=True, padding_mode='zeros', eps=1e-5, formula='paper', device=None, dtype=None):
         _check_formula(formula)
+        if not eps > 0:  # eps <= 0 divides by zero (or a negative) for a constant filter
+            raise ValueError(f'WSConv2d eps must be positive, got {eps!r}')
         super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding,
                          dilation=dilation, groups=groups, bias=bias, padding_mode=padding_mode,
                          device=device, dtype=dtype)
@@ -76,7 +80,7 @@ class WSConv2d(nn.Conv2d):
 
     def forward(self, x):
         weight = self.standardized_weight()
-        if weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+        if weight.dtype != x.dtype and not autocast_enabled(x.device.type):
             weight = weight.to(x.dtype)
         return self._conv_forward(x, weight, self.bias)
 

@@ -166,7 +166,7 @@ def test_finite_on_constant_and_zero_channels():
     assert torch.isfinite(layer.weight.grad).all()
     with torch.no_grad():
         assert torch.isfinite(layer.eval()(x)).all()
-    single = IterNorm(4, group_size=4)(torch.randn(1, 4))  # m = 1 observation
+    single = IterNorm(4, group_size=4).eval()(torch.randn(1, 4))  # m = 1 observation: fine in eval
     assert torch.isfinite(single).all()
     assert torch.isfinite(IterNorm(4, method='zca')(torch.zeros(2, 4, 3, 3))).all()
 
@@ -260,10 +260,14 @@ def test_mask_rcnn_train_step_with_iternorm_everywhere():
 @pytest.mark.codebases
 def test_deeplabv3_train_step_with_iternorm_everywhere():
     from tests.mm_models import deeplabv3_cfg, seg_train_step
-    model, losses = seg_train_step(deeplabv3_cfg(norm_cfg=dict(type='IterNorm')))  # batch size 1
-    assert isinstance(model.decode_head.image_pool[1].norm, IterNorm)  # 1x1 map, one observation: finite
+    # batch 2: the ASPP image-pool branch is a 1x1 map, so 2 observations there
+    model, losses = seg_train_step(deeplabv3_cfg(norm_cfg=dict(type='IterNorm')), batch_size=2)
+    assert isinstance(model.decode_head.image_pool[1].norm, IterNorm)
     assert isinstance(model.backbone.stem[1], IterNorm) and losses['decode.loss_ce'] > 0
     assert model.backbone.stem[1].running_wm.abs().sum() > 0
+    # batch 1: one observation on the image-pool branch is refused with a message, as BN's is
+    with pytest.raises(ValueError, match='at least 2 observations'):
+        seg_train_step(deeplabv3_cfg(norm_cfg=dict(type='IterNorm')))
 
 
 # --- recompute=True: only the input is kept for backward, the rest is recomputed ------------------------
