@@ -234,6 +234,9 @@ def build_runner(cfg):
 
 def _common_args(parser):
     from mmengine.config import DictAction
+    parser.add_argument('--allow-partial-load', action='store_true',
+                        help='(normdense) load a checkpoint that does not cover the model (missing, unexpected or '
+                             'shape-mismatched keys) and log what stays at initialization (default: refuse)')
     parser.add_argument('--cfg-options', nargs='+', action=DictAction,
                         help='override config settings, e.g. train_cfg.max_iters=10 (xxx=yyy, lists as [a,b])')
     parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'], default='none',
@@ -260,9 +263,6 @@ def train_arg_parser():
     p.add_argument('--check-data', action='store_true',
                    help='(normdense) run tools/check_dataset.py\'s checks on the train/val data first and stop on '
                         'any problem (reads every annotation and image header: minutes on COCO)')
-    p.add_argument('--allow-partial-load', action='store_true',
-                   help='(normdense) load a checkpoint that does not cover the model (missing, unexpected or '
-                        'shape-mismatched keys) and log what stays at initialization (default: refuse)')
     _common_args(p)
     return p
 
@@ -288,9 +288,6 @@ def test_arg_parser():
     p.add_argument('--tta', action='store_true',
                    help='test-time augmentation: wrap the model in cfg.tta_model and test with cfg.tta_pipeline '
                         '(mmdet / mmpretrain: their flip TTA when the config has none)')
-    p.add_argument('--allow-partial-load', action='store_true',
-                   help='(normdense) load a checkpoint that does not cover the model (missing, unexpected or '
-                        'shape-mismatched keys) and log what stays at initialization (default: refuse)')
     _common_args(p)
     return p
 

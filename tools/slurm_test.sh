@@ -1,24 +1,4 @@
 #!/usr/bin/env bash
 # Usage: tools/slurm_test.sh PARTITION JOB_NAME CONFIG CHECKPOINT [test.py args...]
-# As mmdet's: GPUS (total, default 8), GPUS_PER_NODE (8), CPUS_PER_TASK (5), SRUN_ARGS from env.
-set -x
-PARTITION=$1
-JOB_NAME=$2
-CONFIG=$3
-CHECKPOINT=$4
-GPUS=${GPUS:-8}
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-CPUS_PER_TASK=${CPUS_PER_TASK:-5}
-SRUN_ARGS=${SRUN_ARGS:-""}
-# SRUN_ARGS is split into words on purpose (several srun options in one variable)
-# shellcheck disable=SC2086
-PYTHONPATH="$(dirname "$0")/..":${PYTHONPATH:-} \
-srun -p "$PARTITION" \
-    --job-name="$JOB_NAME" \
-    --gres=gpu:"$GPUS_PER_NODE" \
-    --ntasks="$GPUS" \
-    --ntasks-per-node="$GPUS_PER_NODE" \
-    --cpus-per-task="$CPUS_PER_TASK" \
-    --kill-on-bad-exit=1 \
-    $SRUN_ARGS \
-    python -u "$(dirname "$0")/test.py" "$CONFIG" "$CHECKPOINT" --launcher="slurm" "${@:5}"
+# Environment as mmdet's: GPUS (total, default 8), GPUS_PER_NODE (8), CPUS_PER_TASK (5), SRUN_ARGS.
+exec bash "$(dirname "$0")/_slurm_run.sh" test "$1" "$2" "$3" "$4" --launcher=slurm "${@:5}"
