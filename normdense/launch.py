@@ -103,17 +103,20 @@ def apply_test_args(cfg, checkpoint, out=None, show=False, show_dir=None, wait_t
 def apply_out(cfg, out, scope):
     """``--out`` as each codebase's test.py means it: mmseg, a directory where IoUMetric writes one
     prediction PNG per image (``output_dir`` + ``keep_results``); mmdet, mmpretrain and plain mmengine
-    configs, a pickle of the raw predictions (added by ``add_result_dump`` once the runner exists)."""
-    if scope == 'mmseg':
-        if out.endswith(('.pkl', '.pickle')):
-            raise ValueError(f'--out is a directory for mmseg configs (one PNG per image, as mmseg\'s '
-                             f'test.py), got the pickle file name {out}')
+    configs, a pickle of the raw predictions (added by ``add_result_dump`` once the runner exists). For
+    mmseg a ``.pkl``/``.pickle`` name (which mmseg's own tool would make a directory of) dumps the raw
+    predictions as for the others: the segmentation demo reads them."""
+    if scope == 'mmseg' and not _is_pickle(out):
         for metric in _metrics(cfg.test_evaluator):
             metric['output_dir'] = out
             metric['keep_results'] = True
-    elif not out.endswith(('.pkl', '.pickle')):
+    elif scope != 'mmseg' and not _is_pickle(out):
         raise ValueError(f'--out must be a .pkl/.pickle file for {scope} configs, got {out}')
     return cfg
+
+
+def _is_pickle(path):
+    return path.endswith(('.pkl', '.pickle'))
 
 
 def _metrics(evaluator):
@@ -195,7 +198,7 @@ def apply_load_args(cfg, allow_partial_load=False):
 def add_result_dump(runner, out, scope):
     """Append a metric that pickles the raw predictions to ``out`` (mmdet's DumpDetResults for mmdet,
     which encodes masks compactly; mmengine's DumpResults otherwise)."""
-    if scope == 'mmseg':
+    if scope == 'mmseg' and not _is_pickle(out):
         return  # IoUMetric writes the PNGs (apply_out)
     if scope == 'mmdet':
         from mmdet.evaluation import DumpDetResults as Dump

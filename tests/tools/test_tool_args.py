@@ -81,8 +81,8 @@ def test_out_is_a_directory_for_mmseg_and_a_pickle_elsewhere(tmp_path):
     cfg = Config.fromfile(SEG)
     launch.apply_test_args(cfg, _ckpt(tmp_path), out=str(tmp_path / 'pngs'))
     assert cfg.test_evaluator.output_dir == str(tmp_path / 'pngs') and cfg.test_evaluator.keep_results
-    with pytest.raises(ValueError, match='directory for mmseg'):
-        launch.apply_test_args(Config.fromfile(SEG), _ckpt(tmp_path), out='preds.pkl')
+    pickled = launch.apply_test_args(Config.fromfile(SEG), _ckpt(tmp_path), out='preds.pkl')
+    assert 'output_dir' not in pickled.test_evaluator  # a .pkl name: raw predictions (the seg demo reads them)
     # mmseg's IoUMetric built from that config writes one label PNG per image there
     register_all_modules(init_default_scope=False)
     with DefaultScope.overwrite_default_scope('mmseg'):
