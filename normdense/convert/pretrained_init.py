@@ -1,4 +1,5 @@
 """An ``init_cfg`` that loads a pretrained backbone strictly, from anywhere mmengine loads checkpoints."""
+import os.path as osp
 import re
 
 from mmengine.logging import print_log
@@ -7,6 +8,38 @@ from mmengine.runner.checkpoint import load_state_dict
 
 from ..checkpoint import check_load, is_local_path, read_checkpoint
 from ..layers.ws import WSConv2d
+
+
+def missing_backbone_message(checkpoint, produced_by='', owner='backbone'):
+    """One line: which file is missing, how to get it, how to do without it."""
+    how = f' Get it: {produced_by}.' if produced_by else ''
+    return (f'{owner}: pretrained backbone {checkpoint} not found.{how} (checkpoints/README.md; to train from '
+            'scratch: --cfg-options model.backbone.init_cfg=None)')
+
+
+def missing_pretrained_backbones(model_cfg):
+    """The one-line messages of every ``PretrainedBackbone`` init_cfg in ``model_cfg`` whose local file is
+    missing (checked before a runner is built; URLs are left to the loader)."""
+    found = []
+
+    def walk(node, owner):
+        if isinstance(node, dict):
+            init = node.get('init_cfg')
+            for cfg in init if isinstance(init, (list, tuple)) else [init]:
+                if isinstance(cfg, dict) and cfg.get('type') == 'PretrainedBackbone':
+                    ckpt = cfg.get('checkpoint')
+                    if isinstance(ckpt, str) and is_local_path(ckpt) and not osp.isfile(osp.expanduser(ckpt)):
+                        found.append(missing_backbone_message(ckpt, cfg.get('produced_by', ''),
+                                                              node.get('type', owner)))
+            for key, value in node.items():
+                if key != 'init_cfg':
+                    walk(value, key)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                walk(value, owner)
+
+    walk(model_cfg, 'model')
+    return found
 
 
 class PretrainedBackbone:
@@ -55,11 +88,8 @@ class PretrainedBackbone:
         except FileNotFoundError:
             if not is_local_path(self.checkpoint):
                 raise
-            how = f' Get it: {self.produced_by}.' if self.produced_by else ''
-            raise FileNotFoundError(
-                f'{type(module).__name__}: pretrained backbone {self.checkpoint} not found.{how} '
-                '(checkpoints/README.md; to train from scratch: --cfg-options model.backbone.init_cfg=None)'
-            ) from None
+            raise FileNotFoundError(missing_backbone_message(self.checkpoint, self.produced_by,
+                                                             type(module).__name__)) from None
         state_dict = ckpt.get('state_dict', ckpt) if isinstance(ckpt, dict) else ckpt
         meta = ckpt.get('meta') if isinstance(ckpt, dict) and isinstance(ckpt.get('meta'), dict) else {}
         state_dict = {re.sub(r'^module\.', '', k): v for k, v in state_dict.items()}

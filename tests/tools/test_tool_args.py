@@ -150,6 +150,21 @@ def test_missing_data_is_one_line_naming_the_path_and_the_guide(tool, tmp_path):
     assert 'data/coco/' in lines[-1] and 'docs/data.md' in lines[-1] and 'Traceback' not in out.stderr
 
 
+def test_missing_backbone_is_one_line_naming_how_to_get_it(tmp_path):
+    coco = tmp_path / 'data' / 'coco'  # the data check passes: the paths exist (their content is not read)
+    for split in ('train2017', 'val2017'):
+        (coco / split).mkdir(parents=True)
+    (coco / 'annotations').mkdir()
+    for split in ('train2017', 'val2017'):
+        (coco / 'annotations' / f'instances_{split}.json').write_text('{}')
+    out = run_tool('train.py', DET_MASK, cwd=tmp_path)  # no checkpoints/ under tmp_path
+    assert out.returncode != 0 and 'Traceback' not in out.stderr
+    lines = (out.stdout + out.stderr).strip().splitlines()
+    assert len(lines) <= 3, lines[:20]
+    assert 'checkpoints/resnet50_bcn-ws_in1k.pth not found' in lines[-1] and '--from authors' in lines[-1]
+    assert 'init_cfg=None' in lines[-1]
+
+
 def test_layer_type_typo_is_one_line_from_the_tool(tmp_path):
     out = run_tool('train.py', DET_MASK, '--cfg-options', 'model.backbone.norm_cfg.type=BNC', cwd=tmp_path)
     assert out.returncode != 0 and 'Traceback' not in out.stderr
