@@ -314,17 +314,17 @@ def prepare_train(args):
     scope = codebase_of(cfg)
     check_model_types(cfg, scope)
     check_data_paths(cfg, 'train')
-    # the Runner initializes weights before it resumes or loads, so a missing backbone fails any training
-    from normdense.convert.pretrained_init import missing_pretrained_backbones
-    missing = missing_pretrained_backbones(cfg.model.to_dict() if hasattr(cfg.model, 'to_dict') else cfg.model)
-    if missing:
-        raise ConfigError(missing[0])
     if args.check_data:
         from normdense.data.check import check_config_datasets
         report = check_config_datasets(cfg, splits=loaders_used(cfg, 'train'))
         print(report.text())
         if not report.ok:
             raise ConfigError(report.summary())
+    # the Runner initializes weights before it resumes or loads, so a missing backbone fails any training
+    from normdense.convert.pretrained_init import missing_pretrained_backbones
+    missing = missing_pretrained_backbones(cfg.model.to_dict() if hasattr(cfg.model, 'to_dict') else cfg.model)
+    if missing:
+        raise ConfigError(missing[0])
     return cfg
 
 

@@ -12,8 +12,8 @@ model = dict(
             checkpoint='checkpoints/resnet50-v1c_bcn-ws_in1k.pth',
             produced_by="fast path: convert the WS/BCN authors' released BCN+WS ResNet-50 "
             '(github.com/joe-siyuan-qiao/Batch-Channel-Normalization; 7x7 stem): python tools/convert_checkpoint.py '
-            'RELEASED.pth checkpoints/resnet50_bcn-ws_in1k.pth --to mmseg --from authors, then train with '
-            '--cfg-options model.backbone.type=ResNet model.backbone.init_cfg.checkpoint=checkpoints/resnet50_bcn-ws_in1k.pth; '
+            'RELEASED.pth checkpoints/resnet50_bcn-ws_authors.pth --to mmseg --from authors, then train with '
+            '--cfg-options model.backbone.type=ResNet model.backbone.init_cfg.checkpoint=checkpoints/resnet50_bcn-ws_authors.pth; '
             'or pretrain the V1c backbone (90 epochs): '
             'python tools/train.py configs/imagenet/resnet50-v1c_bcn-ws_in1k.py && '
             'python tools/convert_checkpoint.py work_dirs/resnet50-v1c_bcn-ws_in1k/epoch_90.pth '
