@@ -64,17 +64,40 @@ def update_estimates_(x: torch.Tensor, running_mean: torch.Tensor, running_var: 
             second = (sq - 2 * mu64 * mean_b.double() + mu64 * mu64).clamp_(min=0).to(xf.dtype)
         else:  # e.g. a RoI head that got no RoIs: contributes nothing (but still joins the all-reduce)
             mean_b = second = xf.new_zeros(channels)
-        # new_full, not new_tensor: a tensor from Python data is a host-to-device copy (a sync on CUDA)
-        sums = torch.cat([mean_b * count, second * count, xf.new_full((1, ), count)])
-        if sync and world_size() > 1:
-            dist.all_reduce(sums)
-        total = sums[-1]
-        # no samples anywhere: a zero rate instead of `if total == 0: return` (that reads the value: a sync)
-        rate = (total > 0).to(xf.dtype) * rate
-        total = total.clamp(min=1)
-        mean_b, second = sums[:channels] / total, sums[channels:2 * channels] / total
-        running_mean.add_((rate * (mean_b - mu_hat)).to(running_mean.dtype))
-        running_var.add_((rate * (second - running_var.to(xf.dtype))).to(running_var.dtype))
+        _update(mean_b, second, count, running_mean, running_var, rate, sync)
+
+
+def update_estimates_from_moments_(m: torch.Tensor, v: torch.Tensor, positions: int, running_mean: torch.Tensor,
+                                   running_var: torch.Tensor, rate: float, sync: bool = True) -> None:
+    """:func:`update_estimates_` from the per-(sample, channel) mean ``m`` and biased variance ``v`` (N, C)
+    over ``positions`` values each (the fused layers have them already): the second moment around the
+    estimate is the mean over samples of v + (m - mu_hat)^2."""
+    with torch.no_grad():
+        count = m.shape[0] * positions
+        mu_hat = running_mean.to(m.dtype)
+        if count:
+            mean_b = m.mean(0)
+            second = (v + (m - mu_hat).square()).mean(0)
+        else:
+            mean_b = second = m.new_zeros(m.shape[1])
+        _update(mean_b, second, count, running_mean, running_var, rate, sync)
+
+
+def _update(mean_b, second, count, running_mean, running_var, rate, sync):
+    """Steps 3-4 from this process's moments (all-reduced with ``sync``), in place."""
+    channels = mean_b.shape[0]
+    mu_hat = running_mean.to(mean_b.dtype)
+    # new_full, not new_tensor: a tensor from Python data is a host-to-device copy (a sync on CUDA)
+    sums = torch.cat([mean_b * count, second * count, mean_b.new_full((1, ), count)])
+    if sync and world_size() > 1:
+        dist.all_reduce(sums)
+    total = sums[-1]
+    # no samples anywhere: a zero rate instead of `if total == 0: return` (that reads the value: a sync)
+    rate = (total > 0).to(mean_b.dtype) * rate
+    total = total.clamp(min=1)
+    mean_b, second = sums[:channels] / total, sums[channels:2 * channels] / total
+    running_mean.add_((rate * (mean_b - mu_hat)).to(running_mean.dtype))
+    running_var.add_((rate * (second - running_var.to(mean_b.dtype))).to(running_var.dtype))
 
 
 class EstimateRateMixin:

@@ -40,11 +40,14 @@ Integration choices (documented in the README):
   half-frozen layer. Use ``update_rate=0.0`` to freeze the estimates explicitly.
 * The channel-norm affine is per group (Eq. 42 and the authors' release, shape (G,)); ``group_affine=
   False`` makes it per channel (shape (C,)).
-* ``recompute=True`` (off by default) trades time for memory: the layer keeps only its input for
-  backward (plain autograd keeps the input and the first stage's output, twice nn.GroupNorm's memory)
-  and recomputes both stages in backward; see ``normdense/layers/_recompute.py`` and
-  docs/performance.md for the measured cost.
+* ``fused=True`` (default) computes both stages as one map per (sample, channel) from the per-(n, c)
+  moments of x, with an analytic backward that keeps only x (``normdense/layers/_fused.py``): one
+  reduction and one elementwise pass, like nn.GroupNorm. ``fused=False`` is the reference composition
+  (an affine, then ``F.group_norm``) that the tests compare the fused path against.
+* ``recompute=True`` is deprecated: the fused path already keeps only the input. It still applies to
+  ``fused=False`` (keep only the input, recompute both stages in backward, ``_recompute.py``).
 """
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -54,11 +57,14 @@ import torch.nn.functional as F
 from ._checks import check_group_values
 # update_estimates_ and set_update_rate keep their old import path (normdense.layers.bcn)
 from ._estimate import EstimateRateMixin, check_rate, set_update_rate, update_estimates_  # noqa: F401
+from ._estimate import update_estimates_from_moments_
 from ._estimate import world_size as _world_size
 from ._eval_maps import standardization_affine
-from ._recompute import checkpoint_once, recompute_active
+from ._fused import batch_moments, group_moments, moments, stat_norm, warn_recompute_deprecated
+from ._recompute import autocast_enabled, checkpoint_once, recompute_active
 
 BCN_MODES = ('batch', 'estimate')
+_REFERENCE_DTYPES = {}  # (device type, input dtype, batch statistics, autocast dtype) -> output dtype
 
 
 def _synced_batch_moments(x: torch.Tensor):
@@ -90,17 +96,16 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
             SyncBN). Default on for estimate mode; off for batch mode, where it costs a collective in
             the forward pass.
         group_affine: per-group channel-stage affine (Eq. 42, default) instead of per-channel.
-        recompute: in training, save only the input for backward (activation memory of one
-            nn.GroupNorm instead of two) and recompute both stages in backward, at the cost of a
-            second forward of them. Estimates / running statistics are still updated once per forward
-            and the recomputation uses copies of the values the forward used. Default ``False``
-            (plain autograd). No effect in eval mode or without grad.
+        fused: one fused pass with an analytic backward keeping only the input (default); ``False``
+            runs the reference composition of torch ops.
+        recompute: deprecated (the fused path keeps only the input anyway). With ``fused=False``: in
+            training, save only the input for backward and recompute both stages in backward.
     """
     _abbr_ = 'bcn'
 
     def __init__(self, num_features: int, num_groups: int = 32, mode: str = 'estimate', eps: float = 1e-5,
                  momentum: float = 0.1, update_rate: Optional[float] = None, sync_stats: Optional[bool] = None,
-                 group_affine: bool = True, recompute: bool = False):
+                 group_affine: bool = True, recompute: bool = False, fused: bool = True):
         if mode not in BCN_MODES:
             raise ValueError(f'BCN mode must be one of {BCN_MODES}, got {mode!r}')
         if num_groups <= 0 or num_features % num_groups:
@@ -116,6 +121,9 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
         self.sync_stats = (mode == 'estimate') if sync_stats is None else sync_stats
         self.group_affine = group_affine
         self.recompute = bool(recompute)
+        self.fused = bool(fused)
+        if self.recompute and self.fused:
+            warn_recompute_deprecated('BatchChannelNorm2d')
         # Batch-knowledge stage (Eq. 40) and channel stage (Eq. 42) affines. The channel stage's keep
         # GroupNorm's names so GN checkpoints map onto it.
         affine_shape = num_groups if group_affine else num_features
@@ -145,12 +153,7 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
     def _synced_stats(self, x):
         """Batch mode across processes: differentiable synced moments, running statistics updated."""
         mean, var, count = _synced_batch_moments(x)
-        with torch.no_grad():
-            unbiased = var * count / (count - 1).clamp(min=1)
-            # no sample on any rank: weight 0 keeps the running statistics (a tensor: no host sync)
-            weight = (count > 0).to(self.running_mean.dtype) * self.momentum
-            self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), weight)
-            self.running_var.lerp_(unbiased.detach().to(self.running_var.dtype), weight)
+        self._track(mean.detach(), var.detach(), count)
         return mean, var
 
     def _affine(self, x, mean, var, batch_weight, batch_bias):
@@ -171,9 +174,99 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
         if x.dim() != 4:
             raise ValueError(f'BatchChannelNorm2d expects (N, C, H, W) input, got shape {tuple(x.shape)}')
         check_group_values(x, self.num_channels, self.num_groups, 'BatchChannelNorm2d')
+        if self.fused and self._fusable(x):
+            return self._forward_fused(x)
         if recompute_active(self, x):
             return self._forward_recompute(x)
         return self._channel_stage(self._batch_stage(x), self.weight, self.bias)
+
+    def _fusable(self, x) -> bool:
+        # no positions or samples, or batch statistics of one value: the reference path has the answer
+        # (an empty output, or F.batch_norm's error)
+        if x.numel() == 0:
+            return False
+        return self.mode == 'estimate' or not self.training or x.shape[0] * x.shape[2] * x.shape[3] > 1
+
+    def _forward_fused(self, x):
+        """Eq. 40-42 as one per-(n, c) affine map A x + B (``normdense/layers/_fused.py``)."""
+        x3 = x.reshape(x.shape[0], x.shape[1], -1)
+        m, v = moments(x3)
+        params = (self.batch_weight, self.batch_bias, self.weight, self.bias)
+        if self.mode == 'estimate' or not self.training:
+            if self.mode == 'estimate' and self.training:
+                update_estimates_from_moments_(m, v, x3.shape[2], self.running_mean, self.running_var,
+                                               self._rate(), self.sync_stats)
+            mean, var = self.running_mean.clone(), self.running_var.clone()  # constants of this call
+            coeffs = functools.partial(self._coeffs, fixed=(mean, var))
+        elif self.sync_stats and _world_size() > 1:
+            coeffs = functools.partial(self._coeffs, synced=True, positions=x3.shape[2])
+        else:
+            mean, var = batch_moments(m, v)
+            self._track(mean, var, m.new_full((), x3.shape[0] * x3.shape[2]))
+            coeffs = functools.partial(self._coeffs, positions=x3.shape[2])
+        out_dtype = self._reference_dtype(x, batch_stats=self.mode == 'batch' and self.training and
+                                          coeffs.keywords.get('synced') is None)
+        with torch.autocast(x.device.type, enabled=False):
+            # the synced moments' all-reduce runs once, in the forward: its graph is kept for backward
+            return stat_norm(x, coeffs, params, out_dtype=out_dtype, stats=(m, v), pure=not coeffs.keywords.get('synced'))
+
+    def _reference_dtype(self, x, batch_stats: bool) -> torch.dtype:
+        """The output dtype of the reference composition: under autocast its F.batch_norm / F.group_norm
+        follow the device's autocast policy (e.g. float32 on CUDA), found once on a tiny input."""
+        if not autocast_enabled(x.device.type):
+            return x.dtype
+        key = (x.device.type, x.dtype, batch_stats, torch.get_autocast_dtype(x.device.type)
+               if hasattr(torch, 'get_autocast_dtype') else None)
+        if key not in _REFERENCE_DTYPES:
+            with torch.no_grad():
+                probe = torch.ones(2, 2, 1, 1, dtype=x.dtype, device=x.device)
+                w = torch.ones(2, device=x.device)
+                if batch_stats:
+                    probe = F.batch_norm(probe, None, None, w, w, True)
+                _REFERENCE_DTYPES[key] = F.group_norm(probe, 1, w, w).dtype
+        return _REFERENCE_DTYPES[key]
+
+    def _coeffs(self, m, v, batch_weight, batch_bias, weight, bias, fixed=None, synced=False, positions=1):
+        """Per-(n, c) (A, B) of BCN from the per-(n, c) moments m, v of x: the first stage
+        u = a x + c (Eq. 40), then the group statistics of u and the channel-stage affine (Eq. 42)."""
+        cd = m.dtype
+        if fixed is not None:  # estimates (Algorithm 1) or eval statistics: constants
+            mean, var = (t.to(cd) for t in fixed)
+        elif synced:
+            mean, var, count = self._synced_moments(m, v, positions)
+            self._track(mean.detach(), var.detach(), count)
+        else:
+            mean, var = batch_moments(m, v)
+        a = batch_weight.to(cd) * torch.rsqrt(var + self.eps)
+        c = batch_bias.to(cd) - mean * a
+        um, uv = m * a + c, v * (a * a)  # per-(n, c) mean and variance of u
+        gmean, gvar = group_moments(um, uv, self.num_groups)
+        per_group = self.num_channels // self.num_groups
+        r = torch.rsqrt(gvar + self.eps).repeat_interleave(per_group, 1)
+        gmean = gmean.repeat_interleave(per_group, 1)
+        w, b = weight.to(cd), bias.to(cd)
+        if self.group_affine:
+            w, b = w.repeat_interleave(per_group), b.repeat_interleave(per_group)
+        scale = w * r
+        return scale * a, scale * (c - gmean) + b
+
+    def _synced_moments(self, m, v, positions):
+        """Batch mode across processes: the differentiable batch moments over every process's samples."""
+        from torch.distributed.nn.functional import all_reduce
+        count = m.new_full((1, ), m.shape[0] * positions)
+        packed = all_reduce(torch.cat([m.sum(0) * positions, (v + m * m).sum(0) * positions, count]))
+        total = packed[-1]
+        s, ss = packed[:-1].chunk(2)
+        mean = s / total.clamp(min=1)
+        return mean, ss / total.clamp(min=1) - mean * mean, total
+
+    def _track(self, mean, var, count):
+        """Batch mode: running statistics with the unbiased variance (as F.batch_norm), once per forward."""
+        with torch.no_grad():
+            unbiased = var * count / (count - 1).clamp(min=1)
+            weight = (count > 0).to(self.running_mean.dtype) * self.momentum
+            self.running_mean.lerp_(mean.to(self.running_mean.dtype), weight)
+            self.running_var.lerp_(unbiased.to(self.running_var.dtype), weight)
 
     def _forward_recompute(self, x):
         """Training forward keeping only x (and channel-sized statistics) for backward. The parameters
@@ -215,6 +308,7 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
         s = f'{self.num_channels}, num_groups={self.num_groups}, mode={self.mode!r}, eps={self.eps}'
         s += f', update_rate={rate}' if self.mode == 'estimate' else f', momentum={self.momentum}'
         s += f', sync_stats={self.sync_stats}, group_affine={self.group_affine}'
+        s += '' if self.fused else ', fused=False'
         return s + (', recompute=True' if self.recompute else '')
 
     def eval_affine(self) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,12 @@ use ``act_cfg=None`` in ConvModules and the ``PNResNet`` backbone instead of ``R
 ``normdense/hooks/proxy_norm_check.py`` detects violations (``ProxyNormCheckHook``); the supported
 activations phi are listed in ``normdense/layers/_activations.py``.
 
-``recompute=True`` (off by default) keeps only the layer's input for backward (plain autograd keeps the
+``fused=True`` (default) computes the layer as ``K phi(A x + B) + L`` with per-(sample, channel) A, B (GN
+and its affine) and per-channel K, L (the proxy moments), from the per-(n, c) moments of x, with an
+analytic backward that keeps only x (``normdense/layers/_fused.py``). ``fused=False`` is the reference
+composition below (``F.group_norm``, phi, proxy normalization) that the tests compare it against.
+
+``recompute=True`` is deprecated (the fused path keeps only the input); with ``fused=False`` it keeps only the layer's input for backward (plain autograd keeps the
 input and two activation-sized intermediates, 3x nn.GroupNorm's activation memory, plus three (C, n)
 tensors of the proxy statistics) and recomputes GN, phi, the proxy statistics and the normalization in
 backward; see ``normdense/layers/_recompute.py``. The layer draws no random numbers (the proxy samples are
@@ -40,6 +45,7 @@ import torch.nn.functional as F
 from ._activations import PROXY_NORM_ACTIVATIONS
 from ._activations import resolve_activation as _resolve_activation
 from ._checks import check_group_values
+from ._fused import compute_dtype, group_moments, stat_norm, warn_recompute_deprecated
 from ._recompute import checkpoint_once, recompute_active
 
 __all__ = ['GroupProxyNorm', 'proxy_quantiles', 'PROXY_NORM_ACTIVATIONS']
@@ -94,7 +100,10 @@ class GroupProxyNorm(nn.GroupNorm):
             scaling just before the final mean pooling, App. A.1).
         proxy_affine: learn the proxy parameters beta~, gamma~ (init 0). False = "omitted" variant
             of App. A.3.3 (Y ~ N(0, 1)).
-        recompute: in training, save only the input for backward (one nn.GroupNorm's activation
+        fused: one fused pass with an analytic backward keeping only the input (default); ``False`` runs
+            the reference composition.
+        recompute: deprecated (the fused path keeps only the input). With ``fused=False``: in
+            training, save only the input for backward (one nn.GroupNorm's activation
             memory instead of three; the proxy statistics' (C, n) tensors are not kept either) and
             recompute the whole layer in backward, at the cost of a second forward. Default ``False``
             (plain autograd). No effect in eval mode or without grad.
@@ -116,7 +125,8 @@ class GroupProxyNorm(nn.GroupNorm):
                  num_samples: int = 200,
                  proxy_scaling: bool = True,
                  proxy_affine: bool = True,
-                 recompute: bool = False):
+                 recompute: bool = False,
+                 fused: bool = True):
         if (isinstance(num_channels, bool) or not isinstance(num_channels, int)
                 or num_channels <= 0):
             raise ValueError(f'GNPN: num_channels must be a positive int, got {num_channels!r}')
@@ -141,6 +151,9 @@ class GroupProxyNorm(nn.GroupNorm):
         self.proxy_scaling = bool(proxy_scaling)
         self.proxy_affine = bool(proxy_affine)
         self.recompute = bool(recompute)
+        self.fused = bool(fused)
+        if self.recompute and self.fused:
+            warn_recompute_deprecated('GroupProxyNorm')
         if self.proxy_affine:
             self.proxy_beta = nn.Parameter(torch.zeros(num_channels))
             self.proxy_gamma = nn.Parameter(torch.zeros(num_channels))
@@ -187,11 +200,28 @@ class GroupProxyNorm(nn.GroupNorm):
         check_group_values(x, self.num_channels, self.num_groups, 'GNPN')
         dtype = _stat_dtype(x, self.weight)
         params = (self.weight, self.bias, self.proxy_beta, self.proxy_gamma)
+        if self.fused and x.numel() > 0:
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                xs = x if compute_dtype(x) == dtype else x.to(dtype)
+                return stat_norm(xs, functools.partial(self._coeffs, dtype=dtype), params, act=self.activation,
+                                 out_dtype=x.dtype)
         if recompute_active(self, x):
             # Everything, the (C, n) proxy statistics included, is recomputed in backward: only x is
             # kept. The parameters are passed in, so the recomputation uses the forward's tensors.
             return checkpoint_once(lambda first, inp, *ps: self._eq7(inp, dtype, *ps), x, *params)
         return self._eq7(x, dtype, *params)
+
+    def _coeffs(self, m, v, weight, bias, proxy_beta, proxy_gamma, dtype):
+        """Eq. 7 as y = K phi(A x + B) + L: A, B = gamma / sigma_g and beta - gamma mu_g / sigma_g of the GN
+        stage per (n, c), K, L = 1 / s and -m / s of the proxy moments per channel (expanded to (N, C))."""
+        gmean, gvar = group_moments(m, v, self.num_groups)
+        per_group = self.num_channels // self.num_groups
+        r = torch.rsqrt(gvar + self.eps).repeat_interleave(per_group, 1)
+        a = weight.to(dtype) * r
+        b = bias.to(dtype) - gmean.repeat_interleave(per_group, 1) * a
+        mean, var = self._proxy_moments(weight, bias, proxy_beta, proxy_gamma, dtype)
+        k = torch.rsqrt(var + self.proxy_eps) if self.proxy_scaling else torch.ones_like(var)
+        return a, b, k.expand_as(a), (-mean * k).expand_as(a)
 
     def _eq7(self, x: torch.Tensor, dtype: torch.dtype, weight, bias, proxy_beta, proxy_gamma) -> torch.Tensor:
         """Eq. 7 with the given parameters, computed in ``dtype`` with autocast disabled."""
@@ -213,4 +243,4 @@ class GroupProxyNorm(nn.GroupNorm):
         return (f'{self.num_groups}, {self.num_channels}, eps={self.eps}, act={act}, '
                 f'proxy_eps={self.proxy_eps}, num_samples={self.num_samples}, '
                 f'proxy_scaling={self.proxy_scaling}, proxy_affine={self.proxy_affine}'
-                + (', recompute=True' if self.recompute else ''))
+                + ('' if self.fused else ', fused=False') + (', recompute=True' if self.recompute else ''))

@@ -36,22 +36,36 @@ Statistics of stage 1:
   ``running_mean``/``running_var`` buffers (kept float32 under ``model.half()``/``bfloat16()``); an empty
   input (a RoI head with no RoIs) still joins ``sync_stats``'s all-reduce, with a count of 0.
 
-``recompute=True`` (off by default) keeps only the layer's input for backward and recomputes both stages
-in backward (batch mode: plain autograd keeps three activation-sized tensors, the input, x_hat and the
-stage-2 output's factors, i.e. 3x nn.GroupNorm's memory; estimate mode keeps one either way, so there it
-only costs time); see ``normdense/layers/_recompute.py`` and docs/performance.md.
+Conventions of the only public implementation (a Keras repository), as options; the defaults are the
+paper's:
+
+* ``norm_divisor='hw_squared'``: the per-sample squared norm is divided by (H*W)^2 instead of H*W (its
+  ResNets pass ``image_size = H*W`` where the layer divides by ``image_size`` once more). Applies when
+  ``n`` is None.
+* ``var_correction='keras'``: training batches are normalized with the batch variance times
+  m / (m - 1 - eps), m = N*H*W values per channel (running statistics are unchanged).
+
+``fused=True`` (default) computes both stages as one map A x + B per (sample, channel) from the per-(n, c)
+moments of x, with an analytic backward that keeps only x (``normdense/layers/_fused.py``); ``fused=False``
+is the reference composition below, which the tests compare it against. ``recompute=True`` is deprecated
+(the fused path keeps only the input); with ``fused=False`` it keeps only the input and recomputes both
+stages in backward (``normdense/layers/_recompute.py``).
 """
+import functools
 import numbers
 from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
 
-from ._estimate import EstimateRateMixin, update_estimates_
+from ._estimate import EstimateRateMixin, update_estimates_, update_estimates_from_moments_
 from ._eval_maps import standardization_affine
+from ._fused import batch_moments, moments, stat_norm, warn_recompute_deprecated
 from ._recompute import checkpoint_once, recompute_active
 
 UNITIZATION_MODES = ('batch', 'estimate')
+NORM_DIVISORS = ('hw', 'hw_squared')
+VAR_CORRECTIONS = ('none', 'keras')
 
 
 def _compute_input(x: torch.Tensor) -> torch.Tensor:
@@ -73,16 +87,20 @@ class Unitization2d(EstimateRateMixin, nn.Module):
         mode: ``'batch'`` (the paper) or ``'estimate'`` (BCN-style running estimates; our extension).
         update_rate: fixed r in [0, 1] for ``'estimate'`` mode; ``None`` takes it from ``EstimateRateHook``.
         sync_stats: all-reduce the estimate update across processes (estimate mode only), as BCN does.
-        recompute: in training, save only the input for backward and recompute both stages in backward
-            (batch mode: 1x instead of 3x nn.GroupNorm's activation memory; estimate mode: 1x either
-            way), at the cost of a second forward. Statistics are still updated once per forward.
-            Default ``False`` (plain autograd). No effect in eval mode or without grad.
+        norm_divisor: ``'hw'`` (the paper) or ``'hw_squared'`` (the Keras code) when ``n`` is None.
+        var_correction: ``'none'`` (the paper) or ``'keras'`` (training batch variance times
+            m / (m - 1 - eps)).
+        fused: one fused pass with an analytic backward keeping only the input (default); ``False`` runs
+            the reference composition.
+        recompute: deprecated (the fused path keeps only the input). With ``fused=False``: in training,
+            save only the input for backward and recompute both stages in backward.
     """
     _abbr_ = 'un'
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
                  affine: bool = True, n: Optional[float] = None, mode: str = 'batch',
-                 update_rate: Optional[float] = None, sync_stats: bool = True, recompute: bool = False):
+                 update_rate: Optional[float] = None, sync_stats: bool = True, recompute: bool = False,
+                 norm_divisor: str = 'hw', var_correction: str = 'none', fused: bool = True):
         super().__init__()
         if not isinstance(num_features, int) or num_features <= 0:
             raise ValueError(f'Unitization num_features must be a positive int, got {num_features!r}')
@@ -94,7 +112,16 @@ class Unitization2d(EstimateRateMixin, nn.Module):
             raise ValueError(f'Unitization eps must be positive, got {eps!r}')
         if momentum is not None and not 0.0 <= momentum <= 1.0:
             raise ValueError(f'Unitization momentum must lie in [0, 1] or be None, got {momentum!r}')
+        if norm_divisor not in NORM_DIVISORS:
+            raise ValueError(f'Unitization norm_divisor must be one of {NORM_DIVISORS}, got {norm_divisor!r}')
+        if norm_divisor != 'hw' and n is not None:
+            raise ValueError(f'Unitization norm_divisor={norm_divisor!r} applies to n=None only; with a fixed n, '
+                             f'pass the divisor you want as n')
+        if var_correction not in VAR_CORRECTIONS:
+            raise ValueError(f'Unitization var_correction must be one of {VAR_CORRECTIONS}, got {var_correction!r}')
         self._init_estimate_rate(mode, update_rate)
+        self.norm_divisor = norm_divisor
+        self.var_correction = var_correction
         self.num_features = num_features
         self.eps = float(eps)
         self.momentum = momentum
@@ -102,6 +129,9 @@ class Unitization2d(EstimateRateMixin, nn.Module):
         self.n = None if n is None else float(n)
         self.sync_stats = sync_stats
         self.recompute = bool(recompute)
+        self.fused = bool(fused)
+        if self.recompute and self.fused:
+            warn_recompute_deprecated('Unitization2d')
         self.alpha = nn.Parameter(torch.zeros(num_features))
         if affine:
             self.weight = nn.Parameter(torch.ones(num_features))
@@ -145,15 +175,17 @@ class Unitization2d(EstimateRateMixin, nn.Module):
                 f"on 1x1 maps")
         var, mean = torch.var_mean(x, dim=dims, correction=0)
         if update:
-            with torch.no_grad():
-                self.num_batches_tracked.add_(1)
-                # cumulative average: a tensor factor (float() of the counter would be a host sync)
-                m = (1.0 / self.num_batches_tracked).to(self.running_mean.dtype) if self.momentum is None \
-                    else self.momentum
-                self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), m)
-                unbiased = var.detach() * (count / (count - 1))
-                self.running_var.lerp_(unbiased.to(self.running_var.dtype), m)
-        return mean, var
+            self._track(mean.detach(), var.detach(), count)
+        return mean, var * self._var_factor(count)
+
+    def _var_factor(self, count: int) -> float:
+        # training batch variance factor: 1 (the paper) or m / (m - 1 - eps) (the Keras code)
+        return count / (count - 1 - self.eps) if self.var_correction == 'keras' else 1.0
+
+    def _divisor(self, positions: int) -> float:
+        if self.n is not None:
+            return self.n
+        return float(positions) ** (2 if self.norm_divisor == 'hw_squared' else 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() < 2 or x.shape[1] != self.num_features:
@@ -166,11 +198,58 @@ class Unitization2d(EstimateRateMixin, nn.Module):
             if self.mode == 'estimate' and self.training:
                 self._stage1_stats(_compute_input(x))
             return x * 0 + sum(p.sum() for p in self.parameters()) * 0
+        if self.fused and (self.mode == 'estimate' or not self.training or x.numel() // x.shape[1] > 1):
+            return self._forward_fused(x)
         if recompute_active(self, x):
             return self._forward_recompute(x)
         xf = _compute_input(x)
         mean, var = self._stage1_stats(xf)
         return self._unitize(xf, mean, var, self.alpha, self.weight, self.bias).to(x.dtype)
+
+    def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """Both stages as one per-(n, c) affine map A x + B (``normdense/layers/_fused.py``)."""
+        x3 = x.reshape(x.shape[0], x.shape[1], -1)
+        m, v = moments(x3)
+        positions = x3.shape[2]
+        fixed = None
+        if self.mode == 'estimate' or not self.training:
+            if self.mode == 'estimate' and self.training:
+                update_estimates_from_moments_(m, v, positions, self.running_mean, self.running_var, self._rate(),
+                                               self.sync_stats)
+                self.num_batches_tracked.add_(1)
+            fixed = (self.running_mean.clone(), self.running_var.clone())  # constants of this call
+        else:
+            self._track(*batch_moments(m, v), m.shape[0] * positions)
+        coeffs = functools.partial(self._coeffs, fixed=fixed, positions=positions)
+        return stat_norm(x, coeffs, (self.alpha, self.weight, self.bias), stats=(m, v))
+
+    def _track(self, mean, var, count):
+        """Batch mode: running statistics (unbiased variance, as nn.BatchNorm), once per forward."""
+        with torch.no_grad():
+            self.num_batches_tracked.add_(1)
+            f = (1.0 / self.num_batches_tracked).to(self.running_mean.dtype) if self.momentum is None \
+                else self.momentum
+            self.running_mean.lerp_(mean.to(self.running_mean.dtype), f)
+            self.running_var.lerp_((var * (count / (count - 1))).to(self.running_var.dtype), f)
+
+    def _coeffs(self, m, v, alpha, weight, bias, fixed=None, positions=1):
+        """(A, B) per (n, c) from the per-(n, c) moments: stage 1 standardizes with (mu, sigma^2) (fixed, or
+        the batch moments), and sum_{c, l} x_hat^2 = sum_c L (v + (m - mu)^2) / (sigma^2 + eps)."""
+        cd = m.dtype
+        if fixed is not None:
+            mean, var = (t.to(cd) for t in fixed)
+        else:
+            mean, var = batch_moments(m, v)
+            var = var * self._var_factor(m.shape[0] * positions)
+        rs = torch.rsqrt(var + self.eps)
+        s = (positions * (v + (m - mean).square()) * rs.square()).sum(1) / self._divisor(positions)
+        alpha = alpha.to(cd)
+        scale = torch.rsqrt(s + self.eps)[:, None] * alpha + (1.0 - alpha)
+        if self.affine:
+            scale = scale * weight.to(cd)
+        a = scale * rs
+        b = -mean * a
+        return a, (b + bias.to(cd) if self.affine else b)
 
     def _forward_recompute(self, x: torch.Tensor) -> torch.Tensor:
         """Training forward keeping only x (half inputs stay half) for backward. The parameters are
@@ -198,7 +277,7 @@ class Unitization2d(EstimateRateMixin, nn.Module):
         ``weight``/``bias`` None without affine)."""
         bshape = (1, -1) + (1,) * (x.dim() - 2)
         x_hat = (x - mean.view(bshape)) * torch.rsqrt(var.view(bshape) + self.eps)
-        n = self.n if self.n is not None else float(x[0, 0].numel())
+        n = self._divisor(x[0, 0].numel())
         s = x_hat.pow(2).flatten(1).sum(1) / n                                  # (N,)
         p = torch.rsqrt(s + self.eps)
         alpha = alpha.to(x.dtype)
@@ -216,6 +295,12 @@ class Unitization2d(EstimateRateMixin, nn.Module):
 
     def extra_repr(self) -> str:
         s = f'{self.num_features}, eps={self.eps}, affine={self.affine}, n={self.n or "H*W"}, mode={self.mode!r}'
+        if self.norm_divisor != 'hw':
+            s += f', norm_divisor={self.norm_divisor!r}'
+        if self.var_correction != 'none':
+            s += f', var_correction={self.var_correction!r}'
+        if not self.fused:
+            s += ', fused=False'
         if self.recompute:
             s += ', recompute=True'
         if self.mode == 'estimate':

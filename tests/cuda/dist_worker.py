@@ -20,10 +20,18 @@ def loss_weight(out, rank):
 
 
 def layers():
+    """Each layer on its fused path (default) and on the reference composition (``_reference``)."""
     torch.manual_seed(0)
-    return {'bcn_estimate': BatchChannelNorm2d(16, 4, mode='estimate', update_rate=0.5, sync_stats=True),
-            'bcn_batch': BatchChannelNorm2d(16, 4, mode='batch', sync_stats=True),
-            'unitization_estimate': Unitization2d(16, mode='estimate', update_rate=0.5, sync_stats=True)}
+    out = {}
+    for fused in (True, False):
+        suffix = '' if fused else '_reference'
+        out.update({
+            'bcn_estimate' + suffix: BatchChannelNorm2d(16, 4, mode='estimate', update_rate=0.5, sync_stats=True,
+                                                        fused=fused),
+            'bcn_batch' + suffix: BatchChannelNorm2d(16, 4, mode='batch', sync_stats=True, fused=fused),
+            'unitization_estimate' + suffix: Unitization2d(16, mode='estimate', update_rate=0.5, sync_stats=True,
+                                                           fused=fused)})
+    return out
 
 
 def run(rank, init_file, device, out_dir):

@@ -33,3 +33,11 @@ def test_sync_stats_two_processes_equal_one_process_on_both_batches(device, tmp_
         for n, p in ref.named_parameters():  # DDP would average these; their sum is the one-process gradient
             torch.testing.assert_close(ranks[0][name]['grads'][n] + ranks[1][name]['grads'][n], p.grad,
                                        rtol=1e-4, atol=1e-4, msg=f'{name} grad {n}')
+        if not name.endswith('_reference'):  # the fused path equals the reference path, rank by rank
+            for r in ranks:
+                other = r[name + '_reference']
+                for key in ('out', 'grad_x'):
+                    torch.testing.assert_close(r[name][key], other[key], rtol=1e-5, atol=1e-5)
+                for key in ('grads', 'buffers'):
+                    for n in r[name][key]:
+                        torch.testing.assert_close(r[name][key][n], other[key][n], rtol=1e-5, atol=1e-5)

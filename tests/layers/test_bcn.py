@@ -242,11 +242,11 @@ def test_convert_norm_keeps_float64():
     assert bcn.running_mean.dtype == torch.float64 and torch.equal(bcn.running_mean, bn.running_mean)
 
 
-# --- recompute=True: only the input is kept for backward, the rest is recomputed ------------------------
+# --- recompute=True (reference path, fused=False): only the input is kept, the rest recomputed -----------
 
 def _bcn_with_state(mode, **kwargs):
     kwargs = dict(kwargs, update_rate=0.3) if mode == 'estimate' else kwargs
-    bcn = random_affines(BatchChannelNorm2d(8, num_groups=4, mode=mode, **kwargs))
+    bcn = random_affines(BatchChannelNorm2d(8, num_groups=4, mode=mode, fused=False, **kwargs))
     with torch.no_grad():
         bcn.running_mean.copy_(torch.linspace(-1, 1, 8))
         bcn.running_var.copy_(torch.linspace(0.5, 2, 8))
@@ -277,8 +277,9 @@ def test_recompute_equals_plain_autograd(mode, autocast, eval_before_backward):
 def test_recompute_gradcheck_float64():
     torch.manual_seed(0)
     x = torch.randn(2, 4, 3, 3, dtype=torch.float64, requires_grad=True)
-    for bcn in (BatchChannelNorm2d(4, num_groups=2, update_rate=0.0, recompute=True),
-                BatchChannelNorm2d(4, num_groups=2, mode='batch', group_affine=False, recompute=True)):
+    for bcn in (BatchChannelNorm2d(4, num_groups=2, update_rate=0.0, recompute=True, fused=False),
+                BatchChannelNorm2d(4, num_groups=2, mode='batch', group_affine=False, recompute=True,
+                                   fused=False)):
         bcn = random_affines(bcn.double().train())
         # values unlike the module's own parameters: the recomputation in backward must use these
         params = {k: (v.detach() * 0.8 + 0.1).requires_grad_(True) for k, v in bcn.named_parameters()}
@@ -294,8 +295,8 @@ def test_recompute_saves_only_the_input(mode):
     """Plain BCN keeps two activation-sized tensors for backward, with recompute one, as nn.GroupNorm
     (plus channel-sized statistics)."""
     kw = dict(update_rate=0.1) if mode == 'estimate' else {}
-    plain = BatchChannelNorm2d(32, 8, mode=mode, **kw).train()
-    rec = BatchChannelNorm2d(32, 8, mode=mode, recompute=True, **kw).train()
+    plain = BatchChannelNorm2d(32, 8, mode=mode, fused=False, **kw).train()
+    rec = BatchChannelNorm2d(32, 8, mode=mode, recompute=True, fused=False, **kw).train()
     assert_saves_only_the_input(plain, rec, torch.randn(2, 32, 8, 8), plain_factor=2)
 
 
@@ -321,7 +322,7 @@ def test_recompute_inactive_in_eval_without_grad_and_on_empty_input():
 
 
 def test_recompute_from_config_keeps_state_dict_keys():
-    _, layer = build_norm_layer(dict(type='BCN', num_groups=16, recompute=True), 64)
+    _, layer = build_norm_layer(dict(type='BCN', num_groups=16, recompute=True, fused=False), 64)
     assert layer.recompute and 'recompute=True' in repr(layer)
     assert not BatchChannelNorm2d(64, 16).recompute
     assert set(layer.state_dict()) == set(BatchChannelNorm2d(64, 16).state_dict())

@@ -59,6 +59,33 @@ def params(layer):
     return layer.alpha.detach(), layer.weight.detach(), layer.bias.detach()
 
 
+@pytest.mark.parametrize('fused', [True, False])
+def test_keras_conventions_match_algorithm2_with_their_divisor_and_variance(fused):
+    """norm_divisor='hw_squared' divides the squared norm by (H*W)^2; var_correction='keras' normalizes a
+    training batch with var * m / (m - 1 - eps) (m values per channel); running statistics unchanged."""
+    torch.manual_seed(1)
+    C, eps = 5, 1e-3
+    layer = randomize(Unitization2d(C, eps=eps, norm_divisor='hw_squared', var_correction='keras',
+                                    fused=fused).double())
+    x = torch.randn(3, C, 4, 3, dtype=torch.float64) * 2 + 0.5
+    mean, var = batch_moments(x)
+    m = x.numel() / C
+    expected = algorithm2(x, mean, var * m / (m - 1 - eps), *params(layer), eps, n=(4 * 3) ** 2)
+    torch.testing.assert_close(layer.train()(x), expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(layer.running_var, 0.9 + 0.1 * var * m / (m - 1), rtol=1e-12, atol=1e-12)
+    expected_eval = algorithm2(x, layer.running_mean, layer.running_var, *params(layer), eps, n=(4 * 3) ** 2)
+    torch.testing.assert_close(layer.eval()(x), expected_eval, rtol=1e-10, atol=1e-10)
+    assert "norm_divisor='hw_squared'" in repr(layer) and "var_correction='keras'" in repr(layer)
+
+
+@pytest.mark.parametrize('kwargs, match', [(dict(norm_divisor='hw2'), 'norm_divisor'),
+                                           (dict(norm_divisor='hw_squared', n=4.0), 'n=None only'),
+                                           (dict(var_correction='unbiased'), 'var_correction')])
+def test_keras_convention_options_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Unitization2d(4, **kwargs)
+
+
 @pytest.mark.parametrize('n', [None, 7.0])
 def test_batch_mode_matches_algorithm2(n):
     torch.manual_seed(0)
@@ -225,10 +252,11 @@ def test_empty_batch_keeps_buffers(mode):
     assert layer.alpha.grad is not None
 
 
-# --- recompute=True: only the input is kept for backward, the rest is recomputed ------------------------
+# --- recompute=True (reference path, fused=False): only the input is kept, the rest recomputed -----------
 
 def _with_state(mode, **kwargs):
-    layer = randomize(Unitization2d(6, mode=mode, update_rate=0.3 if mode == 'estimate' else None, **kwargs))
+    layer = randomize(Unitization2d(6, mode=mode, update_rate=0.3 if mode == 'estimate' else None, fused=False,
+                                   **kwargs))
     with torch.no_grad():
         layer.running_mean.copy_(torch.linspace(-1, 1, 6))
         layer.running_var.copy_(torch.linspace(0.5, 2, 6))
@@ -279,7 +307,7 @@ def test_recompute_saves_only_the_input(mode, plain_factor):
     """Plain batch-mode Unitization keeps three activation-sized tensors for backward, estimate mode one;
     with recompute both keep only the input, as nn.GroupNorm."""
     kw = dict(mode=mode, update_rate=0.1 if mode == 'estimate' else None)
-    plain, rec = Unitization2d(32, **kw), Unitization2d(32, recompute=True, **kw)
+    plain, rec = Unitization2d(32, fused=False, **kw), Unitization2d(32, recompute=True, fused=False, **kw)
     assert_saves_only_the_input(plain, rec, torch.randn(2, 32, 8, 8), plain_factor)
 
 
@@ -304,7 +332,7 @@ def test_recompute_inactive_in_eval_without_grad_and_on_empty_input():
 
 
 def test_recompute_from_config_keeps_state_dict_keys():
-    _, layer = build_norm_layer(dict(type='Unitization', recompute=True), 6)
+    _, layer = build_norm_layer(dict(type='Unitization', recompute=True, fused=False), 6)
     assert layer.recompute and 'recompute=True' in repr(layer) and not Unitization2d(6).recompute
     assert set(layer.state_dict()) == set(Unitization2d(6).state_dict())
 

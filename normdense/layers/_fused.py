@@ -1,0 +1,204 @@
+"""One fused pass for the norms that are "per-(sample, channel) statistics, then a per-(sample, channel)
+map": BCN (both modes), GN+PN and Unitization (both modes). The default path of those layers; their
+composition of torch ops (``fused=False``) stays as the reference the tests compare against.
+
+Forward, for x viewed as (N, C, L) with L the number of positions:
+
+    m, v     = mean and biased variance of x[n, c, :]                   (one reduction)
+    A, B     = coeffs(m, v, parameters)                                  (channel-sized, autograd)
+    y        = A x + B               or, with an activation phi,  y = K phi(A x + B) + L'
+
+Each layer's statistics (group moments, batch moments, estimates, the per-sample norm of Unitization, the
+proxy moments of PN) are functions of the per-(n, c) moments m, v and its parameters, so ``coeffs`` only
+ever touches (N, C)-sized tensors. Backward: y depends on x elementwise and through m, v, with
+dm/dx = 1/L and dv/dx = 2 (x - m)/L, hence
+
+    dx = A g + (dm + 2 dv (x - m)) / L,     g = dy            (g = dy K phi'(A x + B) with phi)
+
+where dm, dv and every parameter gradient are ``coeffs``' vector-Jacobian product of the channel-sized
+sums  sum_l g x,  sum_l g  (and  sum_l dy phi(A x + B),  sum_l dy  with phi). Only x (in its own dtype)
+and channel-sized tensors are kept for backward: the activation memory of one nn.GroupNorm.
+
+The moments and coefficients are float32 for fp16/bf16 inputs (float64 for float64 ones); ``coeffs`` is
+called once, in the forward, so side effects there (running statistics, a collective) happen once.
+"""
+import warnings
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32 for fp16/bf16 inputs (sums over positions overflow or round away in half), else x's dtype."""
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
+def moments(x3: torch.Tensor):
+    """(mean, biased variance) of x3 (N, C, L) over L in the compute dtype, outside autograd.
+
+    GroupNorm's forward kernel with one channel per group and eps = 0 gives them in one pass (its output
+    is discarded): torch.var_mean's Welford reduction is ~30x slower on CPU, and E[x^2] - E[x]^2 in
+    float32 loses the variance of a channel whose mean is large. var = rstd^-2 (inf -> 0 for a constant
+    channel)."""
+    with torch.no_grad():
+        xc = x3.to(compute_dtype(x3))
+        n, c, length = xc.shape
+        _, m, rstd = torch.ops.aten.native_group_norm(xc, None, None, n, c, length, c, 0.0)
+        return m.view(n, c), rstd.view(n, c).pow(-2)
+
+
+def affine(t: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """t * scale + shift per (n, c), t (N, C, L), scale/shift (N, C): one pass. BatchNorm's eval kernel on
+    the (1, N*C, L) view with mean 0, variance 1 and eps 0 computes exactly this (vectorized; addcmul
+    with two broadcast operands is 1.6x slower on CPU)."""
+    n, c, length = t.shape
+    return _affine_flat(t.reshape(1, n * c, length), scale, shift).view(n, c, length)
+
+
+def _affine_flat(flat: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor] = None) -> torch.Tensor:
+    # on the (1, N*C, L) view; returns a (1, N*C, L) tensor that is not a view (the custom Function's
+    # output: a view made inside it could not be modified in place, e.g. by a following ReLU(inplace))
+    zeros = flat.new_zeros(flat.shape[1], dtype=scale.dtype)
+    shift = zeros if shift is None else shift.reshape(-1)
+    return F.batch_norm(flat, zeros, torch.ones_like(zeros), scale.reshape(-1), shift, False, 0.0, 0.0)
+
+
+def sums(dy: torch.Tensor, t: torch.Tensor):
+    """(sum_l dy * t, sum_l dy) per (n, c) in one pass: BatchNorm's eval backward for the weight and bias
+    gradients on the (1, N*C, L) views (vecdot + sum are 2.5x slower on CPU)."""
+    n, c, length = t.shape
+    zeros = t.new_zeros(n * c)
+    _, dot, total = torch.ops.aten.native_batch_norm_backward(
+        dy.reshape(1, n * c, length), t.reshape(1, n * c, length), None, zeros, torch.ones_like(zeros), None,
+        None, False, 0.0, [False, True, True])
+    return dot.view(n, c), total.view(n, c)
+
+
+class _StatNorm(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x, m, v, coeffs_fn, act, out_dtype, pure, *params):
+        if pure:  # recomputed in backward: nothing of the channel-sized graph is kept
+            with torch.no_grad():
+                coeffs = coeffs_fn(m, v, *params)
+            ctx.save_for_backward(x, m, v, *[p if isinstance(p, torch.Tensor) else None for p in params])
+            ctx.extra = (coeffs_fn, [p if not isinstance(p, torch.Tensor) else None for p in params])
+        else:
+            ctx.graph = _coeff_graph(coeffs_fn, m, v, params)
+            coeffs = ctx.graph[2]
+            ctx.save_for_backward(x)
+        ctx.act = act
+        return _apply(x.to(m.dtype), [c.detach() for c in coeffs], act).to(out_dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        if hasattr(ctx, 'graph'):
+            x, = ctx.saved_tensors
+            (m, v), p_leaves, coeffs = ctx.graph
+        else:
+            x, m, v, *params = ctx.saved_tensors
+            coeffs_fn, others = ctx.extra
+            params = [p if o is None else o for p, o in zip(params, others)]
+            (m, v), p_leaves, coeffs = _coeff_graph(coeffs_fn, m, v, params)
+        cd = m.dtype
+        xc, dy = x.to(cd), dy.to(cd).reshape(x.shape)  # dy may be expanded (the grad of a sum)
+        if ctx.act is None:
+            g = dy
+            grad_outs = sums(g, xc)
+        else:
+            with torch.enable_grad():
+                pre = affine(xc, coeffs[0].detach(), coeffs[1].detach()).requires_grad_()
+                a = ctx.act(pre)
+                g, = torch.autograd.grad(a, pre, affine(dy, coeffs[2].detach()))
+            grad_outs = sums(g, xc) + sums(dy, a.detach())
+        wanted = [m, v] + [p for p in p_leaves if isinstance(p, torch.Tensor) and p.requires_grad]
+        # retain: a caller's backward(retain_graph=True) may run this twice
+        live = [(c, s) for c, s in zip(coeffs, grad_outs) if c.requires_grad]  # e.g. K = 1 without PN's scaling
+        grads = torch.autograd.grad([c for c, _ in live], wanted, [s for _, s in live], allow_unused=True,
+                                    retain_graph=True) if live else [None] * len(wanted)
+        dm, dv = [torch.zeros_like(t) if d is None else d for t, d in zip((m, v), grads[:2])]
+        it = iter(grads[2:])
+        dparams = [next(it) if isinstance(p, torch.Tensor) and p.requires_grad else None for p in p_leaves]
+        dx = None
+        if ctx.needs_input_grad[0]:
+            length = x.shape[2]
+            c1 = (2.0 / length) * dv
+            c0 = dm / length - c1 * m
+            dx = affine(g, coeffs[0].detach(), c0).addcmul_(xc, c1.unsqueeze(2)).to(x.dtype)
+        return (dx, None, None, None, None, None, None, *dparams)
+
+
+def _coeff_graph(coeffs_fn, m, v, params):
+    """coeffs_fn on fresh leaves: (leaves m, v), parameter leaves, coefficients with their graph."""
+    leaves = [m.detach().requires_grad_(), v.detach().requires_grad_()]
+    p_leaves = [p.detach().requires_grad_(p.requires_grad) if isinstance(p, torch.Tensor) and p.is_floating_point()
+                else p for p in params]
+    with torch.enable_grad():
+        coeffs = tuple(coeffs_fn(*leaves, *p_leaves))
+    return leaves, p_leaves, coeffs
+
+
+def _apply(xc: torch.Tensor, coeffs: Sequence[torch.Tensor], act) -> torch.Tensor:
+    """The forward map on x (N, C, L); returns (1, N*C, L)."""
+    y = _affine_flat(xc.reshape(1, -1, xc.shape[2]), coeffs[0], coeffs[1])
+    if act is not None:
+        y = _affine_flat(act(y), coeffs[2], coeffs[3])
+    return y
+
+
+def stat_norm(x: torch.Tensor, coeffs_fn: Callable, params: Sequence, act: Optional[Callable] = None,
+              out_dtype: Optional[torch.dtype] = None, stats=None, pure: bool = True) -> torch.Tensor:
+    """y = A x + B (or K act(A x + B) + L) with (A, B[, K, L]) = coeffs_fn(m, v, *params), each (N, C).
+
+    ``x`` is (N, C, *positions); ``stats`` = (m, v) from :func:`moments` when the caller needed them first
+    (e.g. for an estimate update). ``pure``: coeffs_fn has no side effect, so backward recomputes it
+    instead of keeping its graph (e.g. PN's (C, n) proxy samples); ``False`` for one that runs a
+    collective. Returns y in ``out_dtype`` (default x's dtype) and x's shape.
+    """
+    shape = x.shape
+    x3 = x.reshape(shape[0], shape[1], -1)
+    m, v = moments(x3) if stats is None else stats
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(
+        isinstance(p, torch.Tensor) and p.requires_grad for p in params))
+    if not needs_grad:  # eval / no_grad: no graph to keep
+        with torch.no_grad():
+            y = _apply(x3.to(m.dtype), coeffs_fn(m, v, *params), act).to(out_dtype)
+    else:
+        y = _StatNorm.apply(x3, m, v, coeffs_fn, act, out_dtype, pure, *params)
+    return y.view(shape)
+
+
+def group_moments(m: torch.Tensor, v: torch.Tensor, groups: int):
+    """Per-(n, g) mean and biased variance from the per-(n, c) moments (law of total variance: no
+    E[x^2] - E[x]^2 cancellation)."""
+    n = m.shape[0]
+    mg, vg = m.reshape(n, groups, -1), v.reshape(n, groups, -1)
+    mean = mg.mean(2)
+    return mean, (vg + (mg - mean.unsqueeze(2)).square()).mean(2)
+
+
+def batch_moments(m: torch.Tensor, v: torch.Tensor):
+    """Per-channel mean and biased variance over the batch from the per-(n, c) moments (equal counts)."""
+    mean = m.mean(0)
+    return mean, (v + (m - mean).square()).mean(0)
+
+
+def warn_recompute_deprecated(layer: str) -> None:
+    warnings.warn(f'{layer}(recompute=True) is deprecated and has no effect: the fused path (the default) keeps '
+                  'only the input for backward already; drop recompute, or set fused=False to recompute the '
+                  'reference composition', DeprecationWarning, stacklevel=3)
+
+
+def set_fused(module: nn.Module, fused: bool = True) -> int:
+    """Switch every layer with a fused path in ``module`` between it (True) and the reference composition
+    (False); returns how many were switched."""
+    n = 0
+    for mod in module.modules():
+        if hasattr(mod, 'fused') and isinstance(getattr(mod, 'fused'), bool):
+            mod.fused = bool(fused)
+            n += 1
+    return n
