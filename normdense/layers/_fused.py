@@ -79,8 +79,8 @@ def sums(dy: torch.Tensor, t: torch.Tensor):
 class _StatNorm(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, m, v, coeffs_fn, act, out_dtype, pure, *params):
-        if pure:  # recomputed in backward: nothing of the channel-sized graph is kept
+    def forward(ctx, x, m, v, coeffs_fn, kernels, out_dtype, recompute_coeffs, *params):
+        if recompute_coeffs:  # nothing of the coefficients' graph is kept
             with torch.no_grad():
                 coeffs = coeffs_fn(m, v, *params)
             ctx.save_for_backward(x, m, v, *[p if isinstance(p, torch.Tensor) else None for p in params])
@@ -89,8 +89,8 @@ class _StatNorm(torch.autograd.Function):
             ctx.graph = _coeff_graph(coeffs_fn, m, v, params)
             coeffs = ctx.graph[2]
             ctx.save_for_backward(x)
-        ctx.act = act
-        return _apply(x.to(m.dtype), [c.detach() for c in coeffs], act).to(out_dtype)
+        ctx.kernels = kernels
+        return kernels.forward(x.to(m.dtype), [c.detach() for c in coeffs]).to(out_dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -105,15 +105,8 @@ class _StatNorm(torch.autograd.Function):
             (m, v), p_leaves, coeffs = _coeff_graph(coeffs_fn, m, v, params)
         cd = m.dtype
         xc, dy = x.to(cd), dy.to(cd).reshape(x.shape)  # dy may be expanded (the grad of a sum)
-        if ctx.act is None:
-            g = dy
-            grad_outs = sums(g, xc)
-        else:
-            with torch.enable_grad():
-                pre = affine(xc, coeffs[0].detach(), coeffs[1].detach()).requires_grad_()
-                a = ctx.act(pre)
-                g, = torch.autograd.grad(a, pre, affine(dy, coeffs[2].detach()))
-            grad_outs = sums(g, xc) + sums(dy, a.detach())
+        fixed = [c.detach() for c in coeffs]
+        grad_outs, state = ctx.kernels.sums(xc, dy, fixed)
         wanted = [m, v] + [p for p in p_leaves if isinstance(p, torch.Tensor) and p.requires_grad]
         # retain: a caller's backward(retain_graph=True) may run this twice
         live = [(c, s) for c, s in zip(coeffs, grad_outs) if c.requires_grad]  # e.g. K = 1 without PN's scaling
@@ -127,8 +120,42 @@ class _StatNorm(torch.autograd.Function):
             length = x.shape[2]
             c1 = (2.0 / length) * dv
             c0 = dm / length - c1 * m
-            dx = affine(g, coeffs[0].detach(), c0).addcmul_(xc, c1.unsqueeze(2)).to(x.dtype)
+            dx = ctx.kernels.dx(xc, dy, fixed, c1, c0, state).to(x.dtype)
         return (dx, None, None, None, None, None, None, *dparams)
+
+
+class EagerKernels:
+    """The elementwise and reduction passes with ATen's BatchNorm kernels (the default). ``act``: the
+    activation of y = K act(A x + B) + L, or None for y = A x + B."""
+
+    def __init__(self, act: Optional[Callable] = None):
+        self.act = act
+
+    def forward(self, xc, coeffs):
+        """y on x (N, C, L); returns (1, N*C, L), not a view."""
+        y = _affine_flat(xc.reshape(1, -1, xc.shape[2]), coeffs[0], coeffs[1])
+        if self.act is not None:
+            y = _affine_flat(self.act(y), coeffs[2], coeffs[3])
+        return y
+
+    def sums(self, xc, dy, coeffs):
+        """The channel-sized sums that coeffs' gradients need, and g (dy through the activation)."""
+        if self.act is None:
+            return sums(dy, xc), dy
+        g, a = self._through_act(xc, dy, coeffs)
+        return sums(g, xc) + sums(dy, a), g
+
+    def dx(self, xc, dy, coeffs, c1, c0, g=None):
+        if g is None:
+            g = dy if self.act is None else self._through_act(xc, dy, coeffs)[0]
+        return affine(g, coeffs[0], c0).addcmul_(xc, c1.unsqueeze(2))
+
+    def _through_act(self, xc, dy, coeffs):
+        with torch.enable_grad():
+            pre = affine(xc, coeffs[0], coeffs[1]).requires_grad_()
+            a = self.act(pre)
+            g, = torch.autograd.grad(a, pre, affine(dy, coeffs[2]))
+        return g, a.detach()
 
 
 def _coeff_graph(coeffs_fn, m, v, params):
@@ -141,22 +168,18 @@ def _coeff_graph(coeffs_fn, m, v, params):
     return leaves, p_leaves, coeffs
 
 
-def _apply(xc: torch.Tensor, coeffs: Sequence[torch.Tensor], act) -> torch.Tensor:
-    """The forward map on x (N, C, L); returns (1, N*C, L)."""
-    y = _affine_flat(xc.reshape(1, -1, xc.shape[2]), coeffs[0], coeffs[1])
-    if act is not None:
-        y = _affine_flat(act(y), coeffs[2], coeffs[3])
-    return y
-
-
 def stat_norm(x: torch.Tensor, coeffs_fn: Callable, params: Sequence, act: Optional[Callable] = None,
-              out_dtype: Optional[torch.dtype] = None, stats=None, pure: bool = True) -> torch.Tensor:
+              out_dtype: Optional[torch.dtype] = None, stats=None, recompute_coeffs: bool = False,
+              compiled: bool = False) -> torch.Tensor:
     """y = A x + B (or K act(A x + B) + L) with (A, B[, K, L]) = coeffs_fn(m, v, *params), each (N, C).
 
     ``x`` is (N, C, *positions); ``stats`` = (m, v) from :func:`moments` when the caller needed them first
-    (e.g. for an estimate update). ``pure``: coeffs_fn has no side effect, so backward recomputes it
-    instead of keeping its graph (e.g. PN's (C, n) proxy samples); ``False`` for one that runs a
-    collective. Returns y in ``out_dtype`` (default x's dtype) and x's shape.
+    (e.g. for an estimate update). The graph of coeffs_fn is kept for backward ((N, C)-sized tensors),
+    or with ``recompute_coeffs`` recomputed in backward: for a coeffs_fn without side effects whose graph
+    holds larger tensors (PN's (C, n) proxy samples). ``compiled``: the passes over x as torch.compile'd kernels (``_compiled.py``; the eager
+    kernels where torch.compile is unavailable). ``act`` must be a stable object (one per activation
+    configuration, see ``_activations.activation_fn``) for the compiled kernels to be reused. Returns y in
+    ``out_dtype`` (default x's dtype) and x's shape.
     """
     shape = x.shape
     x3 = x.reshape(shape[0], shape[1], -1)
@@ -164,12 +187,18 @@ def stat_norm(x: torch.Tensor, coeffs_fn: Callable, params: Sequence, act: Optio
     out_dtype = x.dtype if out_dtype is None else out_dtype
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(
         isinstance(p, torch.Tensor) and p.requires_grad for p in params))
+    kernels = compiled_kernels(act) if compiled else EagerKernels(act)
     if not needs_grad:  # eval / no_grad: no graph to keep
         with torch.no_grad():
-            y = _apply(x3.to(m.dtype), coeffs_fn(m, v, *params), act).to(out_dtype)
+            y = kernels.forward(x3.to(m.dtype), coeffs_fn(m, v, *params)).to(out_dtype)
     else:
-        y = _StatNorm.apply(x3, m, v, coeffs_fn, act, out_dtype, pure, *params)
+        y = _StatNorm.apply(x3, m, v, coeffs_fn, kernels, out_dtype, recompute_coeffs, *params)
     return y.view(shape)
+
+
+def compiled_kernels(act):
+    from ._compiled import CompiledKernels  # torch.compile imported only when asked for
+    return CompiledKernels.get(act)
 
 
 def group_moments(m: torch.Tensor, v: torch.Tensor, groups: int):

@@ -98,6 +98,8 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
         group_affine: per-group channel-stage affine (Eq. 42, default) instead of per-channel.
         fused: one fused pass with an analytic backward keeping only the input (default); ``False``
             runs the reference composition of torch ops.
+        compiled: the fused path's passes as torch.compile'd kernels (opt-in; the first call compiles,
+            see ``normdense/layers/_compiled.py``).
         recompute: deprecated (the fused path keeps only the input anyway). With ``fused=False``: in
             training, save only the input for backward and recompute both stages in backward.
     """
@@ -105,7 +107,7 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
 
     def __init__(self, num_features: int, num_groups: int = 32, mode: str = 'estimate', eps: float = 1e-5,
                  momentum: float = 0.1, update_rate: Optional[float] = None, sync_stats: Optional[bool] = None,
-                 group_affine: bool = True, recompute: bool = False, fused: bool = True):
+                 group_affine: bool = True, recompute: bool = False, fused: bool = True, compiled: bool = False):
         if mode not in BCN_MODES:
             raise ValueError(f'BCN mode must be one of {BCN_MODES}, got {mode!r}')
         if num_groups <= 0 or num_features % num_groups:
@@ -122,6 +124,7 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
         self.group_affine = group_affine
         self.recompute = bool(recompute)
         self.fused = bool(fused)
+        self.compiled = bool(compiled)
         if self.recompute and self.fused:
             warn_recompute_deprecated('BatchChannelNorm2d')
         # Batch-knowledge stage (Eq. 40) and channel stage (Eq. 42) affines. The channel stage's keep
@@ -207,8 +210,8 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
         out_dtype = self._reference_dtype(x, batch_stats=self.mode == 'batch' and self.training and
                                           coeffs.keywords.get('synced') is None)
         with torch.autocast(x.device.type, enabled=False):
-            # the synced moments' all-reduce runs once, in the forward: its graph is kept for backward
-            return stat_norm(x, coeffs, params, out_dtype=out_dtype, stats=(m, v), pure=not coeffs.keywords.get('synced'))
+            # the coefficients' graph (with the synced moments' all-reduce) is kept: never rerun in backward
+            return stat_norm(x, coeffs, params, out_dtype=out_dtype, stats=(m, v), compiled=self.compiled)
 
     def _reference_dtype(self, x, batch_stats: bool) -> torch.dtype:
         """The output dtype of the reference composition: under autocast its F.batch_norm / F.group_norm
@@ -308,7 +311,7 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
         s = f'{self.num_channels}, num_groups={self.num_groups}, mode={self.mode!r}, eps={self.eps}'
         s += f', update_rate={rate}' if self.mode == 'estimate' else f', momentum={self.momentum}'
         s += f', sync_stats={self.sync_stats}, group_affine={self.group_affine}'
-        s += '' if self.fused else ', fused=False'
+        s += ('' if self.fused else ', fused=False') + (', compiled=True' if self.compiled else '')
         return s + (', recompute=True' if self.recompute else '')
 
     def eval_affine(self) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._activations import PROXY_NORM_ACTIVATIONS
+from ._activations import PROXY_NORM_ACTIVATIONS, activation_fn
 from ._activations import resolve_activation as _resolve_activation
 from ._checks import check_group_values
 from ._fused import compute_dtype, group_moments, stat_norm, warn_recompute_deprecated
@@ -102,6 +102,8 @@ class GroupProxyNorm(nn.GroupNorm):
             of App. A.3.3 (Y ~ N(0, 1)).
         fused: one fused pass with an analytic backward keeping only the input (default); ``False`` runs
             the reference composition.
+        compiled: the fused path's passes as torch.compile'd kernels (opt-in; the first call compiles,
+            see ``normdense/layers/_compiled.py``).
         recompute: deprecated (the fused path keeps only the input). With ``fused=False``: in
             training, save only the input for backward (one nn.GroupNorm's activation
             memory instead of three; the proxy statistics' (C, n) tensors are not kept either) and
@@ -126,7 +128,8 @@ class GroupProxyNorm(nn.GroupNorm):
                  proxy_scaling: bool = True,
                  proxy_affine: bool = True,
                  recompute: bool = False,
-                 fused: bool = True):
+                 fused: bool = True,
+                 compiled: bool = False):
         if (isinstance(num_channels, bool) or not isinstance(num_channels, int)
                 or num_channels <= 0):
             raise ValueError(f'GNPN: num_channels must be a positive int, got {num_channels!r}')
@@ -152,6 +155,7 @@ class GroupProxyNorm(nn.GroupNorm):
         self.proxy_affine = bool(proxy_affine)
         self.recompute = bool(recompute)
         self.fused = bool(fused)
+        self.compiled = bool(compiled)
         if self.recompute and self.fused:
             warn_recompute_deprecated('GroupProxyNorm')
         if self.proxy_affine:
@@ -203,8 +207,9 @@ class GroupProxyNorm(nn.GroupNorm):
         if self.fused and x.numel() > 0:
             with torch.autocast(device_type=x.device.type, enabled=False):
                 xs = x if compute_dtype(x) == dtype else x.to(dtype)
-                return stat_norm(xs, functools.partial(self._coeffs, dtype=dtype), params, act=self.activation,
-                                 out_dtype=x.dtype)
+                return stat_norm(xs, functools.partial(self._coeffs, dtype=dtype), params,
+                                 act=activation_fn(self.act, self.act_kwargs), out_dtype=x.dtype,
+                                 recompute_coeffs=True, compiled=self.compiled)  # not the (C, n) proxy graph
         if recompute_active(self, x):
             # Everything, the (C, n) proxy statistics included, is recomputed in backward: only x is
             # kept. The parameters are passed in, so the recomputation uses the forward's tensors.
@@ -243,4 +248,5 @@ class GroupProxyNorm(nn.GroupNorm):
         return (f'{self.num_groups}, {self.num_channels}, eps={self.eps}, act={act}, '
                 f'proxy_eps={self.proxy_eps}, num_samples={self.num_samples}, '
                 f'proxy_scaling={self.proxy_scaling}, proxy_affine={self.proxy_affine}'
-                + ('' if self.fused else ', fused=False') + (', recompute=True' if self.recompute else ''))
+                + ('' if self.fused else ', fused=False') + (', compiled=True' if self.compiled else '')
+                + (', recompute=True' if self.recompute else ''))

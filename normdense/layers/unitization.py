@@ -92,6 +92,8 @@ class Unitization2d(EstimateRateMixin, nn.Module):
             m / (m - 1 - eps)).
         fused: one fused pass with an analytic backward keeping only the input (default); ``False`` runs
             the reference composition.
+        compiled: the fused path's passes as torch.compile'd kernels (opt-in; the first call compiles,
+            see ``normdense/layers/_compiled.py``).
         recompute: deprecated (the fused path keeps only the input). With ``fused=False``: in training,
             save only the input for backward and recompute both stages in backward.
     """
@@ -100,7 +102,7 @@ class Unitization2d(EstimateRateMixin, nn.Module):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
                  affine: bool = True, n: Optional[float] = None, mode: str = 'batch',
                  update_rate: Optional[float] = None, sync_stats: bool = True, recompute: bool = False,
-                 norm_divisor: str = 'hw', var_correction: str = 'none', fused: bool = True):
+                 norm_divisor: str = 'hw', var_correction: str = 'none', fused: bool = True, compiled: bool = False):
         super().__init__()
         if not isinstance(num_features, int) or num_features <= 0:
             raise ValueError(f'Unitization num_features must be a positive int, got {num_features!r}')
@@ -130,6 +132,7 @@ class Unitization2d(EstimateRateMixin, nn.Module):
         self.sync_stats = sync_stats
         self.recompute = bool(recompute)
         self.fused = bool(fused)
+        self.compiled = bool(compiled)
         if self.recompute and self.fused:
             warn_recompute_deprecated('Unitization2d')
         self.alpha = nn.Parameter(torch.zeros(num_features))
@@ -221,7 +224,8 @@ class Unitization2d(EstimateRateMixin, nn.Module):
         else:
             self._track(*batch_moments(m, v), m.shape[0] * positions)
         coeffs = functools.partial(self._coeffs, fixed=fixed, positions=positions)
-        return stat_norm(x, coeffs, (self.alpha, self.weight, self.bias), stats=(m, v))
+        return stat_norm(x, coeffs, (self.alpha, self.weight, self.bias), stats=(m, v),
+                         compiled=self.compiled)
 
     def _track(self, mean, var, count):
         """Batch mode: running statistics (unbiased variance, as nn.BatchNorm), once per forward."""
@@ -301,6 +305,8 @@ class Unitization2d(EstimateRateMixin, nn.Module):
             s += f', var_correction={self.var_correction!r}'
         if not self.fused:
             s += ', fused=False'
+        if self.compiled:
+            s += ', compiled=True'
         if self.recompute:
             s += ', recompute=True'
         if self.mode == 'estimate':

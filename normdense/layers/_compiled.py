@@ -1,0 +1,91 @@
+"""The passes over x of the fused layers (``_fused.py``) as torch.compile'd kernels: opt-in
+(``compiled=True`` on BCN, GN+PN and Unitization) because the first call compiles (tens of seconds on a
+CPU, once per activation and kernel; inductor caches them on disk), and because it needs a working
+compiler (CPU: inductor's C++ backend, a C++ compiler; CUDA: Triton).
+
+Each kernel is one pass: forward y = K act(A x + B) + L; the backward's sums over positions of
+g x, g, dy act(A x + B), dy with g = dy K act'(A x + B) in one reduction; dx = A g + c1 x + c0 in one
+elementwise pass (act' through torch.func.vjp, so every activation of ``_activations.py`` works). If
+compiling or running a compiled kernel fails, a warning says why and the eager kernels take over for
+the rest of the process: never an error from an opt-in speed-up.
+"""
+import warnings
+from typing import Callable, Dict, Optional
+
+import torch
+
+from ._fused import EagerKernels
+
+_BROKEN: Dict[str, str] = {}  # set once torch.compile failed: the reason
+
+
+def _kernels(act: Optional[Callable]):
+    if act is None:
+        def forward(x, a, b):
+            return a * x + b
+
+        def sums(x, dy):
+            return (dy * x).sum(2), dy.sum(2)
+
+        def dx(x, dy, a, c1, c0):
+            return a * dy + c1 * x + c0
+    else:
+        def _g(x, dy, a, b, k):
+            pre = a * x + b
+            out, vjp = torch.func.vjp(act, pre)
+            return vjp(dy * k)[0], out
+
+        def forward(x, a, b, k, l):
+            return k * act(a * x + b) + l
+
+        def sums(x, dy, a, b, k):
+            g, out = _g(x, dy, a, b, k)
+            return (g * x).sum(2), g.sum(2), (dy * out).sum(2), dy.sum(2)
+
+        def dx(x, dy, a, b, k, c1, c0):
+            return a * _g(x, dy, a, b, k)[0] + c1 * x + c0
+    return [torch.compile(f, dynamic=True) for f in (forward, sums, dx)]
+
+
+class CompiledKernels(EagerKernels):
+    _cache: Dict[object, 'CompiledKernels'] = {}
+
+    @classmethod
+    def get(cls, act):
+        if act not in cls._cache:
+            cls._cache[act] = cls(act)
+        return cls._cache[act]
+
+    def __init__(self, act):
+        super().__init__(act)
+        self._compiled = None
+
+    def _call(self, index, eager, *args):
+        if not _BROKEN:
+            try:
+                if self._compiled is None:
+                    self._compiled = _kernels(self.act)
+                return self._compiled[index](*args)
+            except Exception as e:  # no compiler, an unsupported platform or op: the eager kernels
+                _BROKEN['reason'] = f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'
+                warnings.warn(f'normdense: torch.compile of the fused norm kernels failed ({_BROKEN["reason"]}); '
+                              'using the eager kernels (compiled=False) from here on', RuntimeWarning)
+        return eager()
+
+    def forward(self, xc, coeffs):
+        cs = [c.unsqueeze(2) for c in coeffs]
+        return self._call(0, lambda: super(CompiledKernels, self).forward(xc, coeffs), xc, *cs)
+
+    def sums(self, xc, dy, coeffs):
+        cs = [c.unsqueeze(2) for c in coeffs]
+        args = (xc, dy) if self.act is None else (xc, dy, *cs[:3])
+        out = self._call(1, lambda: None, *args)
+        return (super().sums(xc, dy, coeffs) if out is None else (list(out), None))
+
+    def dx(self, xc, dy, coeffs, c1, c0, g=None):
+        if g is not None:  # sums fell back to the eager kernels, which computed g
+            return super().dx(xc, dy, coeffs, c1, c0, g)
+        cs = [c.unsqueeze(2) for c in coeffs]
+        args = (xc, dy, cs[0]) if self.act is None else (xc, dy, *cs[:3])
+        return self._call(2, lambda: super(CompiledKernels, self).dx(xc, dy, coeffs, c1, c0),
+                          *args, c1.unsqueeze(2), c0.unsqueeze(2))
