@@ -225,3 +225,38 @@ def test_set_fused_switches_every_layer():
     assert set_fused(model, False) == 3 and not any(getattr(m, 'fused', False) for m in model)
     assert 'fused=False' in repr(model[0]) and 'fused=False' in repr(model[1]) and 'fused=False' in repr(model[2])
     assert set_fused(model, True) == 3 and all(m.fused for m in model[:3])
+
+
+@pytest.mark.slow  # the first call compiles (~30 s on 2 CPU cores; inductor caches on disk)
+@pytest.mark.parametrize('name', ['bcn-batch', 'unitization-estimate', 'gnpn-gelu'])
+def test_compiled_kernels_equal_reference(name):
+    """compiled=True: the same passes as torch.compile'd kernels, float64, against the reference."""
+    import normdense.layers._compiled as compiled_mod
+    fused, ref = make(name)
+    fused.compiled = True
+    xs = [torch.randn(2, C, 5, 6, dtype=torch.float64) * 2 + 1, torch.randn(1, C, 3, 4, dtype=torch.float64)]
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', RuntimeWarning)  # a fallback to the eager kernels would hide the test
+        assert_same(run(fused, xs), run(ref, xs))
+        fused.eval(), ref.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(fused(xs[0]), ref(xs[0]), rtol=1e-12, atol=1e-12)
+    assert not compiled_mod._BROKEN
+
+
+def test_compiled_falls_back_to_eager_with_a_warning(monkeypatch):
+    import normdense.layers._compiled as compiled_mod
+
+    def no_compiler(act):
+        raise RuntimeError('no C++ compiler found\nlong traceback')
+
+    monkeypatch.setattr(compiled_mod, '_kernels', no_compiler)
+    monkeypatch.setattr(compiled_mod, '_BROKEN', {})
+    monkeypatch.setattr(compiled_mod.CompiledKernels, '_cache', {})
+    fused, ref = make('gnpn-relu')
+    fused.compiled = True
+    xs = [torch.randn(2, C, 5, 6, dtype=torch.float64)]
+    with pytest.warns(RuntimeWarning, match='torch.compile of the fused norm kernels failed .RuntimeError: no C'):
+        result = run(fused, xs)
+    assert_same(result, run(ref, xs))
+    assert 'compiled=True' in repr(fused)
