@@ -75,6 +75,17 @@ def layers():
         verdict = 'PASS' if npass == len(ts) else ('FAIL' if npass == 0 else 'MIXED')
         vals = ', '.join(f'{t["value"]:.2f}' + (f' ({t["worst"]})' if 'worst' in t else '') for t in ts)
         print(f'| {name} | {verdict} {npass}/{len(ts)} | {vals} |')
+    if r.get('fused_vs_reference'):
+        print('\n**Fused path (default) vs the reference composition (`fused=False`)**: fwd+bwd time / '
+              'nn.GroupNorm(32), time / the elementwise floor (one read + one write of the activation each '
+              'way), saved bytes / nn.GroupNorm; reference -> fused:\n')
+        print('| layer | setting | time / GN | time / floor | saved / GN | reference / fused time |')
+        print('|---|---|---|---|---|---|')
+        for row in r['fused_vs_reference']:
+            print(f'| {row["layer"]} | {row["setting"]} | {row["reference_time_vs_gn"]:.2f} -> '
+                  f'{row["fused_time_vs_gn"]:.2f} | {row["reference_time_vs_floor"]:.2f} -> '
+                  f'{row["fused_time_vs_floor"]:.2f} | {row["reference_saved_vs_gn"]:.2f} -> '
+                  f'{row["fused_saved_vs_gn"]:.2f} | {row["reference_over_fused_time"]:.2f} |')
     if r.get('recompute'):
         print('\n**`recompute=True`** vs the same layer with plain autograd (default): fwd+bwd time ratio per '
               'setting, activation memory (bytes saved for backward per input element) relative to the '
@@ -143,6 +154,23 @@ def train_step():
               f'{row["time_vs_mmcv_ws_gn"]:.2f} | {row["saved_MB"]:.1f} | {row["mem_vs_gn"]:.2f} |')
 
 
+def train_step_r50():
+    r = load('train_step_r50.json')
+    if r is None:
+        return
+    print(f'Conditions: {cond_line(r["conditions"], r.get("conditions_end"))}; Mask R-CNN R-50-FPN, one '
+          f'{r["image_size"][0]}x{r["image_size"][1]} image; {r["repeats"]} interleaved repeats after one '
+          f'warm-up.\n')
+    refs = [k[len('time_vs_'):] for k in next(iter(r['rows'].values())) if k.startswith('time_vs_')]
+    print('| variant | median ms | IQR ms | ' + ' | '.join(f'time / {k}' for k in refs) + ' |')
+    print('|---|---|---|' + '---|' * len(refs))
+    for n, row in r['rows'].items():
+        print(f'| {n} | {row["median_ms"]:.0f} | {row["iqr_ms"]:.0f} | '
+              + ' | '.join(f'{row["time_vs_" + k]:.3f}' for k in refs) + ' |')
+    for t in r.get('targets', []):
+        print(f'\nTarget: {t["target"]}: {"PASS" if t["passed"] else "FAIL"} ({t["value"]:.3f})')
+
+
 def digits():
     r = load('microbatch_digits.json')
     if r is None:
@@ -166,6 +194,7 @@ def digits():
 if __name__ == '__main__':
     for title, fn in (('Layer benchmark', layers), ('Fused vs unfused inference', fuse_latency),
                       ('Fused WS+BCN ResNet-50 vs frozen-BN ResNet-50', fused_resnet50),
-                      ('Training step', train_step), ('Micro-batch digits', digits)):
+                      ('Training step', train_step), ('Training step, Mask R-CNN R-50-FPN', train_step_r50),
+                      ('Micro-batch digits', digits)):
         print(f'\n### {title}\n')
         fn()

@@ -24,6 +24,7 @@ CASES = {
     'bcn-batch': functools.partial(BatchChannelNorm2d, C, 4, mode='batch'),
     'bcn-batch-channel-affine': functools.partial(BatchChannelNorm2d, C, 4, mode='batch', group_affine=False),
     'gnpn-relu': functools.partial(GroupProxyNorm, C, 4),
+    'gnpn-relu-no-scaling': functools.partial(GroupProxyNorm, C, 4, proxy_scaling=False),
     'gnpn-gelu': functools.partial(GroupProxyNorm, C, 2, act='gelu'),
     'gnpn-leaky-no-scaling': functools.partial(GroupProxyNorm, C, 4, act=dict(type='LeakyReLU', negative_slope=0.1),
                                                proxy_scaling=False),
