@@ -41,8 +41,7 @@ def moments(x3: torch.Tensor):
 
     GroupNorm's forward kernel with one channel per group and eps = 0 gives them in one pass (its output
     is discarded): torch.var_mean's Welford reduction is ~30x slower on CPU, and E[x^2] - E[x]^2 in
-    float32 loses the variance of a channel whose mean is large. var = rstd^-2 (inf -> 0 for a constant
-    channel)."""
+    float32 loses the variance of a channel whose mean is large. var = rstd^-2."""
     with torch.no_grad():
         xc = x3.to(compute_dtype(x3))
         n, c, length = xc.shape
@@ -50,7 +49,10 @@ def moments(x3: torch.Tensor):
             m, rstd = torch.batch_norm_stats(xc.reshape(1, n * c, length), 0.0)
         else:
             _, m, rstd = torch.ops.aten.native_group_norm(xc, None, None, n, c, length, c, 0.0)
-        return m.view(n, c), rstd.view(n, c).pow(-2)
+        rstd = rstd.view(n, c)
+        # a constant channel: rstd = inf from the CPU kernel (inf^-2 = 0), 0 from the CUDA one (SyncBN's
+        # InvStd returns 0 for var = eps = 0)
+        return m.view(n, c), torch.where(rstd > 0, rstd.pow(-2), torch.zeros_like(rstd))
 
 
 def affine(t: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor] = None) -> torch.Tensor:

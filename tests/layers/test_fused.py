@@ -261,3 +261,15 @@ def test_compiled_falls_back_to_eager_with_a_warning(monkeypatch):
         result = run(fused, xs)
     assert_same(result, run(ref, xs))
     assert 'compiled=True' in repr(fused)
+
+
+@pytest.mark.parametrize('name', sorted(CASES))
+def test_constant_channels_and_groups(name):
+    """A channel (and a whole group) constant over positions, e.g. dead ReLUs: zero variance per (n, c)."""
+    fused, ref = make(name)
+    x = torch.randn(2, C, 4, 4, dtype=torch.float64)
+    x[:, :2] = 1.5  # with 4 groups of 2 channels the first group is constant too
+    x[1, 5] = -0.25
+    a, b = run(fused, [x]), run(ref, [x])
+    assert all(torch.isfinite(t).all() for t in a['outs'] + a['xgrads'])
+    assert_same(a, b)
