@@ -6,6 +6,8 @@ feature-map shapes, at one or more CPU thread counts.
     python benchmarks/layers.py --threads 1 2 --shapes 2x256x64x64 1x256x100x168 --repeats 15
     python benchmarks/layers.py --threads 1 --shapes 1x64x16x16 --conv-shapes --repeats 3 --out /tmp/l.json \
         --plot /tmp/l.png                             # smoke run: tiny shape, no conv rows
+    python benchmarks/layers.py --compiled --conv-shapes --out benchmarks/results/layers_compiled.json \
+        --plot ''                                     # adds the compiled=True rows
 
 Defaults: ``--threads 1 2``, ``--shapes 2x256x64x64 1x256x100x168`` (P2 of a 512x512 crop at batch 2 and
 P2 of a 400x672 image: full N x C x H x W), ``--conv-shapes`` = ``--shapes`` (give it without values to
@@ -33,6 +35,8 @@ Norm rows (ratios to ``nn.GroupNorm(32)`` and to the elementwise floor):
   keeping only the input); each with a ``... reference`` row, the same layer with ``fused=False`` (the
   reference composition of torch ops, plain autograd). ``recompute=True`` is deprecated for these
   layers and not measured.
+* with ``--compiled``: the same five layers with ``compiled=True`` (``... compiled`` rows; torch.compile'd
+  passes, compiled during the warm-up rounds).
 * ``IterNorm g64 T5``, ``ZCA g64 (eigh)`` and their ``... recompute`` rows (``recompute=True``: only the
   input saved, the rest recomputed in backward).
 * ``whitening``: the whitening matrix alone (Newton T=5 vs eigh), fwd+bwd, same setting.
@@ -70,6 +74,7 @@ from benchmarks._timing import conditions, interleaved_times, median_iqr, saved_
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 RECOMPUTE = ' recompute'  # suffix of the rows of layers built with recompute=True (IterNorm / ZCA)
 REFERENCE = ' reference'  # suffix of the rows of layers built with fused=False
+COMPILED = ' compiled'  # suffix of the rows of layers built with compiled=True (--compiled)
 GN = 'nn.GroupNorm(32)'
 FLOOR = 'elementwise floor'
 # the layers with a fused path: their default (fused) rows carry the time and memory targets
@@ -91,13 +96,13 @@ class ElementwiseFloor(nn.Module):
         return x * self.weight.view(1, -1, 1, 1)
 
 
-def norm_candidates(c):
+def norm_candidates(c, compiled=False):
     from normdense.layers.bcn import BatchChannelNorm2d
     from normdense.layers.equinorm import ChannelAffine
     from normdense.layers.iternorm import IterNorm
     from normdense.layers.proxy_norm import GroupProxyNorm
     from normdense.layers.unitization import Unitization2d
-    return {
+    rows = {
         'nn.BatchNorm2d': lambda: nn.BatchNorm2d(c),
         GN: lambda: nn.GroupNorm(32, c),
         FLOOR: lambda: ElementwiseFloor(c),
@@ -119,6 +124,16 @@ def norm_candidates(c):
         'ZCA g64 (eigh) recompute': lambda: IterNorm(c, group_size=64, method='zca', recompute=True),
         'ChannelAffine': lambda: ChannelAffine(c),
     }
+    if compiled:  # compiled=True rows (torch.compile'd passes; compiled during the warm-up calls)
+        rows.update({
+            'BCN estimate' + COMPILED: lambda: BatchChannelNorm2d(c, 32, mode='estimate', update_rate=0.01,
+                                                                  compiled=True),
+            'BCN batch' + COMPILED: lambda: BatchChannelNorm2d(c, 32, mode='batch', compiled=True),
+            'GNPN (GN+PN)' + COMPILED: lambda: GroupProxyNorm(c, 32, compiled=True),
+            'Unitization batch' + COMPILED: lambda: Unitization2d(c, compiled=True),
+            'Unitization estimate' + COMPILED: lambda: Unitization2d(c, mode='estimate', update_rate=0.01,
+                                                                     compiled=True)})
+    return rows
 
 
 def conv_candidates(c):
@@ -217,7 +232,10 @@ def main(argv=None):
                         help='input shapes of the 3x3 conv rows (default: --shapes; none given: no conv rows)')
     parser.add_argument('--repeats', type=int, default=15)
     parser.add_argument('--out', default=osp.join(ROOT, 'benchmarks', 'results', 'layers.json'))
-    parser.add_argument('--plot', default=osp.join(ROOT, 'docs', 'figures', 'bench_layers.png'))
+    parser.add_argument('--plot', default=osp.join(ROOT, 'docs', 'figures', 'bench_layers.png'),
+                        help="figure path ('' for none)")
+    parser.add_argument('--compiled', action='store_true',
+                        help="add rows of the fused layers with compiled=True (torch.compile'd passes)")
     args = parser.parse_args(argv)
     conv_shapes = args.shapes if args.conv_shapes is None else args.conv_shapes
     for shape in args.shapes:
@@ -240,7 +258,7 @@ def main(argv=None):
                 key = setting_key(threads, shape)
                 results['settings'][key] = dict(threads=threads, shape=list(shape), kind='norm',
                                                 conditions=conditions(threads))
-                rows = bench_setting(norm_candidates(shape[1]), shape, args.repeats, False)
+                rows = bench_setting(norm_candidates(shape[1], args.compiled), shape, args.repeats, False)
                 results['norm'][key] = add_ratios(rows, GN, FLOOR)
                 print_table(f'norm layers, input {tuple(shape)}, {threads} thread(s), fwd+bwd, train mode',
                             results['norm'][key], GN, FLOOR)
@@ -263,8 +281,9 @@ def main(argv=None):
     os.makedirs(osp.dirname(osp.abspath(args.out)), exist_ok=True)
     with open(args.out, 'w') as f:
         json.dump(results, f, indent=1)
-    plot(results, args.plot)
-    print(f'wrote {args.out} and {args.plot}')
+    if args.plot:
+        plot(results, args.plot)
+    print(f'wrote {args.out}' + (f' and {args.plot}' if args.plot else ''))
     return results
 
 

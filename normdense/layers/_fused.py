@@ -196,8 +196,8 @@ def stat_norm(x: torch.Tensor, coeffs_fn: Callable, params: Sequence, act: Optio
     ``x`` is (N, C, *positions); ``stats`` = (m, v) from :func:`moments` when the caller needed them first
     (e.g. for an estimate update). The graph of coeffs_fn is kept for backward ((N, C)-sized tensors),
     or with ``recompute_coeffs`` recomputed in backward: for a coeffs_fn without side effects whose graph
-    holds larger tensors (PN's (C, n) proxy samples). ``compiled``: the passes over x as torch.compile'd kernels (``_compiled.py``; the eager
-    kernels where torch.compile is unavailable). ``act`` must be a stable object (one per activation
+    holds larger tensors (PN's (C, n) proxy samples). ``compiled``: the passes over x as torch.compile'd
+    kernels (``_compiled.py``; the eager kernels where torch.compile is unavailable). ``act`` must be a stable object (one per activation
     configuration, see ``_activations.activation_fn``) for the compiled kernels to be reused. Returns y in
     ``out_dtype`` (default x's dtype) and x's shape.
     """

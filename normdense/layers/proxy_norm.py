@@ -26,10 +26,10 @@ and its affine) and per-channel K, L (the proxy moments), from the per-(n, c) mo
 analytic backward that keeps only x (``normdense/layers/_fused.py``). ``fused=False`` is the reference
 composition below (``F.group_norm``, phi, proxy normalization) that the tests compare it against.
 
-``recompute=True`` is deprecated (the fused path keeps only the input); with ``fused=False`` it keeps only the layer's input for backward (plain autograd keeps the
-input and two activation-sized intermediates, 3x nn.GroupNorm's activation memory, plus three (C, n)
-tensors of the proxy statistics) and recomputes GN, phi, the proxy statistics and the normalization in
-backward; see ``normdense/layers/_recompute.py``. The layer draws no random numbers (the proxy samples are
+``recompute=True`` is deprecated (the fused path keeps only the input); with ``fused=False`` it keeps only
+the layer's input for backward (plain autograd keeps the input and two activation-sized intermediates, 3x
+nn.GroupNorm's activation memory, plus three (C, n) tensors of the proxy statistics) and recomputes GN,
+phi, the proxy statistics and the normalization in backward; see ``normdense/layers/_recompute.py``. The layer draws no random numbers (the proxy samples are
 deterministic quantiles), so the recomputation is exact without saving any RNG state.
 
 No mmcv/mmengine imports here: registration happens in ``normdense/registry.py``.
