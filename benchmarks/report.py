@@ -103,6 +103,26 @@ def layers():
                   f' | {rows[0]["mem_default"]:.2f} | {rows[0]["mem_recompute"]:.2f} | {rows[0]["mem_ref"]} |')
 
 
+def layers_compiled():
+    r = load('layers_compiled.json')
+    if r is None:
+        return
+    print(f'`python benchmarks/layers.py --compiled --conv-shapes` (a separate run). Conditions: '
+          f'{cond_line(r["conditions"], r.get("conditions_end"))}; medians of {r["repeats"]} interleaved fwd+bwd '
+          f'runs. fwd+bwd time / nn.GroupNorm(32), eager fused path -> `compiled=True`:\n')
+    settings = list(r['norm'])
+    layers_ = [n[:-len(' compiled')] for n in r['norm'][settings[0]] if n.endswith(' compiled')]
+    print('| layer | ' + ' | '.join(settings) + ' |')
+    print('|---|' + '---|' * len(settings))
+    for n in layers_:
+        cells = []
+        for st in settings:
+            rows = r['norm'][st]
+            gn = rows['nn.GroupNorm(32)']['time_ms']
+            cells.append(f'{rows[n]["time_ms"] / gn:.2f} -> {rows[n + " compiled"]["time_ms"] / gn:.2f}')
+        print(f'| {n} | ' + ' | '.join(cells) + ' |')
+
+
 def fuse_latency():
     r = load('fuse_latency.json')
     if r is None:
@@ -192,7 +212,8 @@ def digits():
 
 
 if __name__ == '__main__':
-    for title, fn in (('Layer benchmark', layers), ('Fused vs unfused inference', fuse_latency),
+    for title, fn in (('Layer benchmark', layers), ('Layer benchmark, compiled=True', layers_compiled),
+                      ('Fused vs unfused inference', fuse_latency),
                       ('Fused WS+BCN ResNet-50 vs frozen-BN ResNet-50', fused_resnet50),
                       ('Training step', train_step), ('Training step, Mask R-CNN R-50-FPN', train_step_r50),
                       ('Micro-batch digits', digits)):
