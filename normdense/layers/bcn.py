@@ -61,6 +61,7 @@ from ._estimate import update_estimates_from_moments_
 from ._estimate import world_size as _world_size
 from ._eval_maps import standardization_affine
 from ._fused import batch_moments, group_moments, moments, stat_norm, warn_recompute_deprecated
+from ._recompute import _device_autocast as device_autocast
 from ._recompute import autocast_enabled, checkpoint_once, recompute_active
 
 BCN_MODES = ('batch', 'estimate')
@@ -218,8 +219,7 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
         follow the device's autocast policy (e.g. float32 on CUDA), found once on a tiny input."""
         if not autocast_enabled(x.device.type):
             return x.dtype
-        key = (x.device.type, x.dtype, batch_stats, torch.get_autocast_dtype(x.device.type)
-               if hasattr(torch, 'get_autocast_dtype') else None)
+        key = (x.device.type, x.dtype, batch_stats, device_autocast(x.device.type)[1])
         if key not in _REFERENCE_DTYPES:
             with torch.no_grad():
                 probe = torch.ones(2, 2, 1, 1, dtype=x.dtype, device=x.device)
