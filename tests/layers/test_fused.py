@@ -148,12 +148,20 @@ def test_half_inputs_within_reference_error(name, dtype):
     fused, ref = make(name, dtype=dtype)
     x = torch.randn(2, C, 6, 6, dtype=torch.float64) * 2 + 1
     truth = run(exact, [x])['outs'][0]
-    a, b = run(fused, [x.to(dtype)]), run(ref, [x.to(dtype)])
-    for r in (a, b):
-        assert all(torch.isfinite(t).all() for t in r['outs'] + r['xgrads'] + list(r['pgrads'].values()))
+    a = run(fused, [x.to(dtype)])
+    assert all(torch.isfinite(t).all() for t in a['outs'] + a['xgrads'] + list(a['pgrads'].values()))
     err_fused = (a['outs'][0].double() - truth).abs().max()
+    scale = torch.finfo(dtype).eps * truth.abs().max()
+    try:
+        b = run(ref, [x.to(dtype)])
+    except RuntimeError as e:  # torch < 2.2: no fp16 GroupNorm kernel on the CPU (the reference's F.group_norm)
+        if 'Half' not in str(e) or dtype != torch.float16:
+            raise
+        assert err_fused <= 8 * scale, err_fused  # the fused path computes in float32: a few output roundings
+        return
+    assert all(torch.isfinite(t).all() for t in b['outs'] + b['xgrads'] + list(b['pgrads'].values()))
     err_ref = (b['outs'][0].double() - truth).abs().max()
-    assert err_fused <= err_ref + torch.finfo(dtype).eps * truth.abs().max(), (err_fused, err_ref)
+    assert err_fused <= err_ref + scale, (err_fused, err_ref)
 
 
 @pytest.mark.parametrize('name', sorted(CASES))
