@@ -243,11 +243,14 @@ def warn_recompute_deprecated(layer: str) -> None:
 
 
 def set_fused(module: nn.Module, fused: bool = True) -> int:
-    """Switch every layer with a fused path in ``module`` between it (True) and the reference composition
-    (False); returns how many were switched."""
+    """Switch every BCN, GN+PN and Unitization layer in ``module`` between the fused path (True) and the
+    reference composition (False); returns how many were switched."""
+    from .bcn import BatchChannelNorm2d  # the layers import this module
+    from .proxy_norm import GroupProxyNorm
+    from .unitization import Unitization2d
     n = 0
     for mod in module.modules():
-        if hasattr(mod, 'fused') and isinstance(getattr(mod, 'fused'), bool):
+        if isinstance(mod, (BatchChannelNorm2d, GroupProxyNorm, Unitization2d)):
             mod.fused = bool(fused)
             n += 1
     return n

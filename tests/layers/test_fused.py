@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from benchmarks._timing import saved_activation_bytes as saved_bytes
-from normdense.layers._fused import set_fused
+from normdense.layers import set_fused
 from normdense.layers.bcn import BatchChannelNorm2d
 from normdense.layers.proxy_norm import GroupProxyNorm
 from normdense.layers.unitization import Unitization2d
