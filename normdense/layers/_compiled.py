@@ -3,9 +3,9 @@
 CPU, once per activation and kernel; inductor caches them on disk), and because it needs a working
 compiler (CPU: inductor's C++ backend, a C++ compiler; CUDA: Triton).
 
-Each kernel is one pass: forward y = K act(A x + B) + L; the backward's sums over positions of
-g x, g, dy act(A x + B), dy with g = dy K act'(A x + B) in one reduction; dx = A g + c1 x + c0 in one
-elementwise pass (act' through torch.func.vjp, so every activation of ``_activations.py`` works). If
+Each kernel is one pass, with t = x - m formed inside it: forward y = K act(A t + B) + L; the
+backward's sums over positions of g t, g, dy act(A t + B), dy with g = dy K act'(A t + B) in one
+reduction; dx = A g + c1 t + c0 in one elementwise pass (act' through torch.func.vjp, so every activation of ``_activations.py`` works). If
 compiling or running a compiled kernel fails, a warning says why and the eager kernels take over for
 the rest of the process: never an error from an opt-in speed-up.
 """
@@ -20,30 +20,30 @@ _BROKEN: Dict[str, str] = {}  # set once torch.compile failed: the reason
 
 
 def _kernels(act: Optional[Callable]):
+    # x (N, C, L), m and the coefficients (N, C, 1); t = x - m inside each kernel (see EagerKernels)
     if act is None:
-        def forward(x, a, b):
-            return a * x + b
+        def forward(x, m, a, b):
+            return a * (x - m) + b
 
-        def sums(x, dy):
-            return (dy * x).sum(2), dy.sum(2)
+        def sums(x, m, dy):
+            return (dy * (x - m)).sum(2), dy.sum(2)
 
-        def dx(x, dy, a, c1, c0):
-            return a * dy + c1 * x + c0
+        def dx(x, m, dy, a, c1, c0):
+            return a * dy + c1 * (x - m) + c0
     else:
-        def _g(x, dy, a, b, k):
-            pre = a * x + b
-            out, vjp = torch.func.vjp(act, pre)
+        def _g(x, m, dy, a, b, k):
+            out, vjp = torch.func.vjp(act, a * (x - m) + b)
             return vjp(dy * k)[0], out
 
-        def forward(x, a, b, k, l):
-            return k * act(a * x + b) + l
+        def forward(x, m, a, b, k, l):
+            return k * act(a * (x - m) + b) + l
 
-        def sums(x, dy, a, b, k):
-            g, out = _g(x, dy, a, b, k)
-            return (g * x).sum(2), g.sum(2), (dy * out).sum(2), dy.sum(2)
+        def sums(x, m, dy, a, b, k):
+            g, out = _g(x, m, dy, a, b, k)
+            return (g * (x - m)).sum(2), g.sum(2), (dy * out).sum(2), dy.sum(2)
 
-        def dx(x, dy, a, b, k, c1, c0):
-            return a * _g(x, dy, a, b, k)[0] + c1 * x + c0
+        def dx(x, m, dy, a, b, k, c1, c0):
+            return a * _g(x, m, dy, a, b, k)[0] + c1 * (x - m) + c0
     return [torch.compile(f, dynamic=True) for f in (forward, sums, dx)]
 
 
@@ -72,20 +72,20 @@ class CompiledKernels(EagerKernels):
                               'using the eager kernels (compiled=False) from here on', RuntimeWarning)
         return eager()
 
-    def forward(self, xc, coeffs):
+    def forward(self, xc, m, coeffs):
         cs = [c.unsqueeze(2) for c in coeffs]
-        return self._call(0, lambda: super(CompiledKernels, self).forward(xc, coeffs), xc, *cs)
+        return self._call(0, lambda: super(CompiledKernels, self).forward(xc, m, coeffs), xc, m.unsqueeze(2), *cs)
 
-    def sums(self, xc, dy, coeffs):
+    def sums(self, xc, m, dy, coeffs):
         cs = [c.unsqueeze(2) for c in coeffs]
-        args = (xc, dy) if self.act is None else (xc, dy, *cs[:3])
+        args = (xc, m.unsqueeze(2), dy) if self.act is None else (xc, m.unsqueeze(2), dy, *cs[:3])
         out = self._call(1, lambda: None, *args)
-        return (super().sums(xc, dy, coeffs) if out is None else (list(out), None))
+        return super().sums(xc, m, dy, coeffs) if out is None else (list(out), 'compiled')
 
-    def dx(self, xc, dy, coeffs, c1, c0, g=None):
-        if g is not None:  # sums fell back to the eager kernels, which computed g
-            return super().dx(xc, dy, coeffs, c1, c0, g)
+    def dx(self, xc, m, dy, coeffs, c1, c0, state=None):
+        if state != 'compiled':  # sums fell back to the eager kernels, which computed what dx needs
+            return super().dx(xc, m, dy, coeffs, c1, c0, state)
         cs = [c.unsqueeze(2) for c in coeffs]
-        args = (xc, dy, cs[0]) if self.act is None else (xc, dy, *cs[:3])
-        return self._call(2, lambda: super(CompiledKernels, self).dx(xc, dy, coeffs, c1, c0),
+        args = (xc, m.unsqueeze(2), dy, cs[0]) if self.act is None else (xc, m.unsqueeze(2), dy, *cs[:3])
+        return self._call(2, lambda: super(CompiledKernels, self).dx(xc, m, dy, coeffs, c1, c0),
                           *args, c1.unsqueeze(2), c0.unsqueeze(2))

@@ -6,17 +6,18 @@ Forward, for x viewed as (N, C, L) with L the number of positions:
 
     m, v     = mean and biased variance of x[n, c, :]                   (one reduction)
     A, B     = coeffs(m, v, parameters)                                  (channel-sized, autograd)
-    y        = A x + B               or, with an activation phi,  y = K phi(A x + B) + L'
+    y        = A (x - m) + B         or, with an activation phi,  y = K phi(A (x - m) + B) + L'
 
 Each layer's statistics (group moments, batch moments, estimates, the per-sample norm of Unitization, the
 proxy moments of PN) are functions of the per-(n, c) moments m, v and its parameters, so ``coeffs`` only
 ever touches (N, C)-sized tensors. Backward: y depends on x elementwise and through m, v, with
 dm/dx = 1/L and dv/dx = 2 (x - m)/L, hence
 
-    dx = A g + (dm + 2 dv (x - m)) / L,     g = dy            (g = dy K phi'(A x + B) with phi)
+    dx = A g + (dm - A sum_l g + 2 dv (x - m)) / L,    g = dy    (g = dy K phi'(A (x - m) + B) with phi)
 
 where dm, dv and every parameter gradient are ``coeffs``' vector-Jacobian product of the channel-sized
-sums  sum_l g x,  sum_l g  (and  sum_l dy phi(A x + B),  sum_l dy  with phi). Only x (in its own dtype)
+sums  sum_l g (x - m),  sum_l g  (and  sum_l dy phi(.),  sum_l dy  with phi). B is the output's mean per
+(n, c) (before phi), so every term stays at the scale of x's spread, not of its mean. Only x (in its own dtype)
 and channel-sized tensors are kept for backward: the activation memory of one nn.GroupNorm.
 
 The moments and coefficients are float32 for fp16/bf16 inputs (float64 for float64 ones); ``coeffs`` is
@@ -96,7 +97,7 @@ class _StatNorm(torch.autograd.Function):
             coeffs = ctx.graph[2]
             ctx.save_for_backward(x)
         ctx.kernels = kernels
-        return kernels.forward(x.to(m.dtype), [c.detach() for c in coeffs]).to(out_dtype)
+        return kernels.forward(x.to(m.dtype), m.detach(), [c.detach() for c in coeffs]).to(out_dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -112,7 +113,7 @@ class _StatNorm(torch.autograd.Function):
         cd = m.dtype
         xc, dy = x.to(cd), dy.to(cd).reshape(x.shape)  # dy may be expanded (the grad of a sum)
         fixed = [c.detach() for c in coeffs]
-        grad_outs, state = ctx.kernels.sums(xc, dy, fixed)
+        grad_outs, state = ctx.kernels.sums(xc, m.detach(), dy, fixed)
         wanted = [m, v] + [p for p in p_leaves if isinstance(p, torch.Tensor) and p.requires_grad]
         # retain: a caller's backward(retain_graph=True) may run this twice
         live = [(c, s) for c, s in zip(coeffs, grad_outs) if c.requires_grad]  # e.g. K = 1 without PN's scaling
@@ -124,58 +125,64 @@ class _StatNorm(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:
             length = x.shape[2]
-            c1 = (2.0 / length) * dv
-            c0 = dm / length - c1 * m
-            dx = ctx.kernels.dx(xc, dy, fixed, c1, c0, state).to(x.dtype)
+            # y depends on m also directly, through x - m: -A per position, summed over them -A sum_l g
+            dm = dm - fixed[0] * grad_outs[1].detach()
+            dx = ctx.kernels.dx(xc, m.detach(), dy, fixed, (2.0 / length) * dv, dm / length, state).to(x.dtype)
         return (dx, None, None, None, None, None, None, *dparams)
 
 
 class EagerKernels:
-    """The elementwise and reduction passes with ATen's BatchNorm kernels (the default). ``act``: the
-    activation of y = K act(A x + B) + L, or None for y = A x + B."""
+    """The passes over x with ATen's BatchNorm kernels (the default). ``act``: the activation of
+    y = K act(A (x - m) + B) + L, or None for y = A (x - m) + B.
+
+    The backward works on t = x - m (one exact subtraction): the sums and dx = A g + c1 t + c0 then stay
+    at the scale of x's spread, not of its mean (in x itself, c1 x and c1 m cancel: float32 gradients
+    were off by percents where a channel's mean is large against its spread)."""
 
     def __init__(self, act: Optional[Callable] = None):
         self.act = act
         # ReLU (GN+PN's default): K relu(p) + L = max(K p + L, L) for K > 0 (K = 1 / proxy std), and its
-        # gradients follow from the masked sums of dy and dy x: 19 passes over the activation, not 26
+        # gradients follow from the masked sums of dy and dy t
         self.relu = isinstance(act, functools.partial) and act.func is F.relu and not act.args and not act.keywords
 
-    def forward(self, xc, coeffs):
-        """y on x (N, C, L); returns (1, N*C, L), not a view."""
+    def forward(self, xc, m, coeffs):
+        """y on x (N, C, L); returns (1, N*C, L), not a view. The forward folds m into the shift, as
+        GroupNorm's own kernel does."""
         flat = xc.reshape(1, -1, xc.shape[2])
+        a, b = coeffs[0], coeffs[1] - coeffs[0] * m
         if self.relu:
-            a, b, k, l_ = coeffs
+            k, l_ = coeffs[2], coeffs[3]
             return _affine_flat(flat, k * a, k * b + l_).clamp_(min=l_.reshape(1, -1, 1))
-        y = _affine_flat(flat, coeffs[0], coeffs[1])
+        y = _affine_flat(flat, a, b)
         if self.act is not None:
             y = _affine_flat(self.act(y), coeffs[2], coeffs[3])
         return y
 
-    def sums(self, xc, dy, coeffs):
-        """The channel-sized sums that coeffs' gradients need, and g (dy through the activation)."""
+    def sums(self, xc, m, dy, coeffs):
+        """The channel-sized sums that coeffs' gradients need (the first two: sum_l g t, sum_l g), and
+        what dx needs."""
+        t = affine(xc, torch.ones_like(m), -m)
         if self.act is None:
-            return sums(dy, xc), dy
-        if self.relu:  # h = dy where A x + B > 0
-            a, b, k, _ = coeffs
-            h = torch.ops.aten.threshold_backward(dy, affine(xc, a, b), 0)
-            hx, hs = sums(h, xc)
-            return [k * hx, k * hs, a * hx + b * hs, dy.sum(2)], ('relu', h)
-        g, a = self._through_act(xc, dy, coeffs)
-        return sums(g, xc) + sums(dy, a), g
-
-    def dx(self, xc, dy, coeffs, c1, c0, g=None):
-        if isinstance(g, tuple):  # ReLU: g = K h
-            return affine(g[1], coeffs[0] * coeffs[2], c0).addcmul_(xc, c1.unsqueeze(2))
-        if g is None:
-            g = dy if self.act is None else self._through_act(xc, dy, coeffs)[0]
-        return affine(g, coeffs[0], c0).addcmul_(xc, c1.unsqueeze(2))
-
-    def _through_act(self, xc, dy, coeffs):
+            return list(sums(dy, t)), (dy, t)
+        a, b = coeffs[0], coeffs[1]
+        if self.relu:  # h = dy where A t + B > 0
+            k = coeffs[2]
+            h = torch.ops.aten.threshold_backward(dy, affine(t, a, b), 0)
+            ht, hs = sums(h, t)
+            return [k * ht, k * hs, a * ht + b * hs, dy.sum(2)], (h, t)
         with torch.enable_grad():
-            pre = affine(xc, coeffs[0], coeffs[1]).requires_grad_()
-            a = self.act(pre)
-            g, = torch.autograd.grad(a, pre, affine(dy, coeffs[2]))
-        return g, a.detach()
+            pre = affine(t, a, b).requires_grad_()
+            out = self.act(pre)
+            g, = torch.autograd.grad(out, pre, affine(dy, coeffs[2]))
+        return list(sums(g, t) + sums(dy, out.detach())), (g, t)
+
+    def dx(self, xc, m, dy, coeffs, c1, c0, state=None):
+        """dx = A g + c1 t + c0."""
+        if state is None:
+            state = self.sums(xc, m, dy, coeffs)[1]
+        g, t = state
+        scale = coeffs[0] * coeffs[2] if self.relu else coeffs[0]  # ReLU: g = K h
+        return affine(g, scale, c0).addcmul_(t, c1.unsqueeze(2))
 
 
 def _coeff_graph(coeffs_fn, m, v, params):
@@ -191,7 +198,7 @@ def _coeff_graph(coeffs_fn, m, v, params):
 def stat_norm(x: torch.Tensor, coeffs_fn: Callable, params: Sequence, act: Optional[Callable] = None,
               out_dtype: Optional[torch.dtype] = None, stats=None, recompute_coeffs: bool = False,
               compiled: bool = False) -> torch.Tensor:
-    """y = A x + B (or K act(A x + B) + L) with (A, B[, K, L]) = coeffs_fn(m, v, *params), each (N, C).
+    """y = A (x - m) + B (or K act(A (x - m) + B) + L), (A, B[, K, L]) = coeffs_fn(m, v, *params), each (N, C).
 
     ``x`` is (N, C, *positions); ``stats`` = (m, v) from :func:`moments` when the caller needed them first
     (e.g. for an estimate update). The graph of coeffs_fn is kept for backward ((N, C)-sized tensors),
@@ -210,7 +217,7 @@ def stat_norm(x: torch.Tensor, coeffs_fn: Callable, params: Sequence, act: Optio
     kernels = compiled_kernels(act) if compiled else EagerKernels(act)
     if not needs_grad:  # eval / no_grad: no graph to keep
         with torch.no_grad():
-            y = kernels.forward(x3.to(m.dtype), coeffs_fn(m, v, *params)).to(out_dtype)
+            y = kernels.forward(x3.to(m.dtype), m, coeffs_fn(m, v, *params)).to(out_dtype)
     else:
         y = _StatNorm.apply(x3, m, v, coeffs_fn, kernels, out_dtype, recompute_coeffs, *params)
     return y.view(shape)

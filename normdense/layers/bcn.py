@@ -251,7 +251,8 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
         if self.group_affine:
             w, b = w.repeat_interleave(per_group), b.repeat_interleave(per_group)
         scale = w * r
-        return scale * a, scale * (c - gmean) + b
+        # y = A (x - m) + B with B the output's mean per (n, c): centred terms only (see _fused.py)
+        return scale * a, scale * (um - gmean) + b
 
     def _synced_moments(self, m, v, positions):
         """Batch mode across processes: the differentiable batch moments over every process's samples."""

@@ -217,13 +217,13 @@ class GroupProxyNorm(nn.GroupNorm):
         return self._eq7(x, dtype, *params)
 
     def _coeffs(self, m, v, weight, bias, proxy_beta, proxy_gamma, dtype):
-        """Eq. 7 as y = K phi(A x + B) + L: A, B = gamma / sigma_g and beta - gamma mu_g / sigma_g of the GN
-        stage per (n, c), K, L = 1 / s and -m / s of the proxy moments per channel (expanded to (N, C))."""
+        """Eq. 7 as y = K phi(A (x - m) + B) + L: A = gamma / sigma_g and B = beta + A (m - mu_g) of the GN
+        stage per (n, c), K, L = 1 / s and -mean / s of the proxy moments per channel (expanded to (N, C))."""
         gmean, gvar = group_moments(m, v, self.num_groups)
         per_group = self.num_channels // self.num_groups
         r = torch.rsqrt(gvar + self.eps).repeat_interleave(per_group, 1)
         a = weight.to(dtype) * r
-        b = bias.to(dtype) - gmean.repeat_interleave(per_group, 1) * a
+        b = bias.to(dtype) + a * (m - gmean.repeat_interleave(per_group, 1))  # pre-activation mean per (n, c)
         mean, var = self._proxy_moments(weight, bias, proxy_beta, proxy_gamma, dtype)
         k = torch.rsqrt(var + self.proxy_eps) if self.proxy_scaling else torch.ones_like(var)
         return a, b, k.expand_as(a), (-mean * k).expand_as(a)

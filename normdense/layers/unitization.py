@@ -252,7 +252,7 @@ class Unitization2d(EstimateRateMixin, nn.Module):
         if self.affine:
             scale = scale * weight.to(cd)
         a = scale * rs
-        b = -mean * a
+        b = a * (m - mean)  # the output's mean per (n, c): y = A (x - m) + B (see _fused.py)
         return a, (b + bias.to(cd) if self.affine else b)
 
     def _forward_recompute(self, x: torch.Tensor) -> torch.Tensor:
