@@ -6,8 +6,7 @@ feature-map shapes, at one or more CPU thread counts.
     python benchmarks/layers.py --threads 1 2 --shapes 2x256x64x64 1x256x100x168 --repeats 15
     python benchmarks/layers.py --threads 1 --shapes 1x64x16x16 --conv-shapes --repeats 3 --out /tmp/l.json \
         --plot /tmp/l.png                             # smoke run: tiny shape, no conv rows
-    python benchmarks/layers.py --compiled --conv-shapes --out benchmarks/results/layers_compiled.json \
-        --plot ''                                     # adds the compiled=True rows
+    python benchmarks/layers.py --compiled            # adds the compiled=True rows (the committed run)
 
 Defaults: ``--threads 1 2``, ``--shapes 2x256x64x64 1x256x100x168`` (P2 of a 512x512 crop at batch 2 and
 P2 of a 400x672 image: full N x C x H x W), ``--conv-shapes`` = ``--shapes`` (give it without values to

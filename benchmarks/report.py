@@ -104,14 +104,16 @@ def layers():
 
 
 def layers_compiled():
-    r = load('layers_compiled.json')
+    r = load('layers.json')
     if r is None:
         return
-    print(f'`python benchmarks/layers.py --compiled --conv-shapes` (a separate run). Conditions: '
-          f'{cond_line(r["conditions"], r.get("conditions_end"))}; medians of {r["repeats"]} interleaved fwd+bwd '
-          f'runs. fwd+bwd time / nn.GroupNorm(32), eager fused path -> `compiled=True`:\n')
     settings = list(r['norm'])
     layers_ = [n[:-len(' compiled')] for n in r['norm'][settings[0]] if n.endswith(' compiled')]
+    if not layers_:
+        print('_(no compiled rows: run benchmarks/layers.py with --compiled)_')
+        return
+    print('From the same run (`--compiled`): fwd+bwd time / nn.GroupNorm(32), eager fused path -> '
+          '`compiled=True`:\n')
     print('| layer | ' + ' | '.join(settings) + ' |')
     print('|---|' + '---|' * len(settings))
     for n in layers_:

@@ -72,9 +72,10 @@ class CompiledKernels(EagerKernels):
                               'using the eager kernels (compiled=False) from here on', RuntimeWarning)
         return eager()
 
-    def forward(self, xc, m, coeffs):
+    def forward(self, xc, m, coeffs, normalized=None):  # one pass from x: the normalized buffer is not needed
         cs = [c.unsqueeze(2) for c in coeffs]
-        return self._call(0, lambda: super(CompiledKernels, self).forward(xc, m, coeffs), xc, m.unsqueeze(2), *cs)
+        return self._call(0, lambda: super(CompiledKernels, self).forward(xc, m, coeffs, normalized), xc,
+                          m.unsqueeze(2), *cs)
 
     def sums(self, xc, m, dy, coeffs):
         cs = [c.unsqueeze(2) for c in coeffs]

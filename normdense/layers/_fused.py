@@ -38,22 +38,31 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def moments(x3: torch.Tensor):
-    """(mean, biased variance) of x3 (N, C, L) over L in the compute dtype, outside autograd.
+    """(mean, biased variance) of x3 (N, C, L) over L in the compute dtype, outside autograd."""
+    return moments_normalized(x3)[:2]
 
-    GroupNorm's forward kernel with one channel per group and eps = 0 gives them in one pass (its output
-    is discarded): torch.var_mean's Welford reduction is ~30x slower on CPU, and E[x^2] - E[x]^2 in
-    float32 loses the variance of a channel whose mean is large. var = rstd^-2."""
+
+def moments_normalized(x3: torch.Tensor):
+    """(mean, biased variance, x normalized per (n, c) or None) of x3 (N, C, L), outside autograd.
+
+    On the CPU, GroupNorm's forward kernel with one channel per group and eps = 0 gives the moments in one
+    pass (torch.var_mean's Welford reduction is ~30x slower; E[x^2] - E[x]^2 in float32 loses the variance
+    of a channel whose mean is large), and its output (x - m) / sd is returned as the buffer the forward
+    writes y into (one large allocation fewer; None where a channel is constant: 0 / 0 there). var = rstd^-2."""
     with torch.no_grad():
         xc = x3.to(compute_dtype(x3))
         n, c, length = xc.shape
         if xc.is_cuda:  # SyncBN's statistics kernel: one read, nothing written (CUDA only)
             m, rstd = torch.batch_norm_stats(xc.reshape(1, n * c, length), 0.0)
+            normalized = None
         else:
-            _, m, rstd = torch.ops.aten.native_group_norm(xc, None, None, n, c, length, c, 0.0)
+            normalized, m, rstd = torch.ops.aten.native_group_norm(xc, None, None, n, c, length, c, 0.0)
         rstd = rstd.view(n, c)
         # a constant channel: rstd = inf from the CPU kernel (inf^-2 = 0), 0 from the CUDA one (SyncBN's
         # InvStd returns 0 for var = eps = 0)
-        return m.view(n, c), torch.where(rstd > 0, rstd.pow(-2), torch.zeros_like(rstd))
+        if normalized is not None and not bool(torch.isfinite(rstd).all()):
+            normalized = None
+        return m.view(n, c), torch.where(rstd > 0, rstd.pow(-2), torch.zeros_like(rstd)), normalized
 
 
 def affine(t: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -72,6 +81,22 @@ def _affine_flat(flat: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.
     return F.batch_norm(flat, zeros, torch.ones_like(zeros), scale.reshape(-1), shift, False, 0.0, 0.0)
 
 
+def affine_(t: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, out: Optional[torch.Tensor] = None
+            ) -> torch.Tensor:
+    """out = t * scale + shift per (n, c), t (N, C, L), in place (``out`` None) or into ``out`` of t's shape:
+    no allocation (on the CPU a fresh activation-sized tensor costs page faults, more than the pass).
+    CPU: BatchNorm's eval kernel writing into its output (one vectorized pass); elsewhere addcmul."""
+    n, c, length = t.shape
+    out = t if out is None else out
+    if t.device.type != 'cpu':
+        return torch.addcmul(shift.unsqueeze(2), t, scale.unsqueeze(2), out=out)
+    zeros = t.new_zeros(n * c, dtype=scale.dtype)
+    torch.ops.aten.native_batch_norm.out(t.view(1, n * c, length), scale.reshape(-1), shift.reshape(-1), zeros,
+                                         torch.ones_like(zeros), False, 0.0, 0.0, out=out.view(1, n * c, length),
+                                         save_mean=t.new_empty(0), save_invstd=t.new_empty(0))
+    return out
+
+
 def sums(dy: torch.Tensor, t: torch.Tensor):
     """(sum_l dy * t, sum_l dy) per (n, c) in one pass: BatchNorm's eval backward for the weight and bias
     gradients on the (1, N*C, L) views (vecdot + sum are 2.5x slower on CPU)."""
@@ -86,7 +111,7 @@ def sums(dy: torch.Tensor, t: torch.Tensor):
 class _StatNorm(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, m, v, coeffs_fn, kernels, out_dtype, recompute_coeffs, *params):
+    def forward(ctx, x, m, v, normalized, coeffs_fn, kernels, out_dtype, recompute_coeffs, *params):
         if recompute_coeffs:  # nothing of the coefficients' graph is kept
             with torch.no_grad():
                 coeffs = coeffs_fn(m, v, *params)
@@ -97,7 +122,7 @@ class _StatNorm(torch.autograd.Function):
             coeffs = ctx.graph[2]
             ctx.save_for_backward(x)
         ctx.kernels = kernels
-        return kernels.forward(x.to(m.dtype), m.detach(), [c.detach() for c in coeffs]).to(out_dtype)
+        return kernels.forward(x.to(m.dtype), m.detach(), [c.detach() for c in coeffs], normalized).to(out_dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -128,7 +153,7 @@ class _StatNorm(torch.autograd.Function):
             # y depends on m also directly, through x - m: -A per position, summed over them -A sum_l g
             dm = dm - fixed[0] * grad_outs[1].detach()
             dx = ctx.kernels.dx(xc, m.detach(), dy, fixed, (2.0 / length) * dv, dm / length, state).to(x.dtype)
-        return (dx, None, None, None, None, None, None, *dparams)
+        return (dx, None, None, None, None, None, None, None, *dparams)
 
 
 class EagerKernels:
@@ -145,44 +170,59 @@ class EagerKernels:
         # gradients follow from the masked sums of dy and dy t
         self.relu = isinstance(act, functools.partial) and act.func is F.relu and not act.args and not act.keywords
 
-    def forward(self, xc, m, coeffs):
-        """y on x (N, C, L); returns (1, N*C, L), not a view. The forward folds m into the shift, as
-        GroupNorm's own kernel does."""
-        flat = xc.reshape(1, -1, xc.shape[2])
-        a, b = coeffs[0], coeffs[1] - coeffs[0] * m
-        if self.relu:
+    def forward(self, xc, m, coeffs, normalized=None):
+        """y on x (N, C, L); returns a tensor of x's size that is not a view. ``normalized``: (x_hat, sd) with
+        x_hat = (x - m) / sd from :func:`moments_normalized`, which y is written into (A t = (A sd) x_hat);
+        otherwise the forward folds m into the shift, as GroupNorm's own kernel does."""
+        a = coeffs[0]
+        if normalized is not None:
+            y, sd = normalized
+            a, b = a * sd, coeffs[1]
+        else:
+            y, b = None, coeffs[1] - a * m
+        if self.relu:  # K relu(p) + L = max(K p + L, L), K > 0
             k, l_ = coeffs[2], coeffs[3]
-            return _affine_flat(flat, k * a, k * b + l_).clamp_(min=l_.reshape(1, -1, 1))
-        y = _affine_flat(flat, a, b)
+            y = _affine_into(y, xc, k * a, k * b + l_)
+            return y.clamp_(min=l_.unsqueeze(2))
+        y = _affine_into(y, xc, a, b)
         if self.act is not None:
-            y = _affine_flat(self.act(y), coeffs[2], coeffs[3])
+            y = affine_(self.act(y), coeffs[2], coeffs[3])
         return y
 
     def sums(self, xc, m, dy, coeffs):
         """The channel-sized sums that coeffs' gradients need (the first two: sum_l g t, sum_l g), and
-        what dx needs."""
+        what dx needs. t = x - m is formed once (dx needs it); buffers made here are reused for dx."""
         t = affine(xc, torch.ones_like(m), -m)
         if self.act is None:
-            return list(sums(dy, t)), (dy, t)
+            return list(sums(dy, t)), (dy, t, False)
         a, b = coeffs[0], coeffs[1]
-        if self.relu:  # h = dy where A t + B > 0
+        if self.relu:  # h = dy where A t + B > 0, written over A t + B
             k = coeffs[2]
-            h = torch.ops.aten.threshold_backward(dy, affine(t, a, b), 0)
+            pre = affine(t, a, b)
+            h = torch.ops.aten.threshold_backward.grad_input(dy, pre, 0, grad_input=pre)
             ht, hs = sums(h, t)
-            return [k * ht, k * hs, a * ht + b * hs, dy.sum(2)], (h, t)
+            return [k * ht, k * hs, a * ht + b * hs, dy.sum(2)], (h, t, True)
         with torch.enable_grad():
             pre = affine(t, a, b).requires_grad_()
             out = self.act(pre)
             g, = torch.autograd.grad(out, pre, affine(dy, coeffs[2]))
-        return list(sums(g, t) + sums(dy, out.detach())), (g, t)
+        return list(sums(g, t) + sums(dy, out.detach())), (g, t, True)
 
     def dx(self, xc, m, dy, coeffs, c1, c0, state=None):
-        """dx = A g + c1 t + c0."""
+        """dx = A g + c1 t + c0, written over g where this class made g, else over t."""
         if state is None:
             state = self.sums(xc, m, dy, coeffs)[1]
-        g, t = state
+        g, t, own = state
         scale = coeffs[0] * coeffs[2] if self.relu else coeffs[0]  # ReLU: g = K h
-        return affine(g, scale, c0).addcmul_(t, c1.unsqueeze(2))
+        if own:
+            return affine_(g, scale, c0).addcmul_(t, c1.unsqueeze(2))
+        return affine_(t, c1, c0).addcmul_(g, scale.unsqueeze(2))
+
+
+def _affine_into(out, xc, scale, shift):
+    """scale * xc + shift per (n, c), written over ``out`` when given, else into a new tensor (not a view: the
+    custom Function's output, which a following ReLU(inplace) may modify)."""
+    return affine_(xc, scale, shift, torch.empty_like(xc)) if out is None else affine_(out, scale, shift)
 
 
 def _coeff_graph(coeffs_fn, m, v, params):
@@ -200,8 +240,8 @@ def stat_norm(x: torch.Tensor, coeffs_fn: Callable, params: Sequence, act: Optio
               compiled: bool = False) -> torch.Tensor:
     """y = A (x - m) + B (or K act(A (x - m) + B) + L), (A, B[, K, L]) = coeffs_fn(m, v, *params), each (N, C).
 
-    ``x`` is (N, C, *positions); ``stats`` = (m, v) from :func:`moments` when the caller needed them first
-    (e.g. for an estimate update). The graph of coeffs_fn is kept for backward ((N, C)-sized tensors),
+    ``x`` is (N, C, *positions); ``stats`` = (m, v) or (m, v, normalized) from :func:`moments` or
+    :func:`moments_normalized` when the caller needed them first (e.g. for an estimate update). The graph of coeffs_fn is kept for backward ((N, C)-sized tensors),
     or with ``recompute_coeffs`` recomputed in backward: for a coeffs_fn without side effects whose graph
     holds larger tensors (PN's (C, n) proxy samples). ``compiled``: the passes over x as torch.compile'd
     kernels (``_compiled.py``; the eager kernels where torch.compile is unavailable). ``act`` must be a stable object (one per activation
@@ -210,16 +250,17 @@ def stat_norm(x: torch.Tensor, coeffs_fn: Callable, params: Sequence, act: Optio
     """
     shape = x.shape
     x3 = x.reshape(shape[0], shape[1], -1)
-    m, v = moments(x3) if stats is None else stats
+    m, v, normalized = moments_normalized(x3) if stats is None else (tuple(stats) + (None, ))[:3]
+    normalized = None if normalized is None else (normalized, v.sqrt())
     out_dtype = x.dtype if out_dtype is None else out_dtype
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(
         isinstance(p, torch.Tensor) and p.requires_grad for p in params))
     kernels = compiled_kernels(act) if compiled else EagerKernels(act)
     if not needs_grad:  # eval / no_grad: no graph to keep
         with torch.no_grad():
-            y = kernels.forward(x3.to(m.dtype), m, coeffs_fn(m, v, *params)).to(out_dtype)
+            y = kernels.forward(x3.to(m.dtype), m, coeffs_fn(m, v, *params), normalized).to(out_dtype)
     else:
-        y = _StatNorm.apply(x3, m, v, coeffs_fn, kernels, out_dtype, recompute_coeffs, *params)
+        y = _StatNorm.apply(x3, m, v, normalized, coeffs_fn, kernels, out_dtype, recompute_coeffs, *params)
     return y.view(shape)
 
 

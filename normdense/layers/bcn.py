@@ -60,7 +60,7 @@ from ._estimate import EstimateRateMixin, check_rate, set_update_rate, update_es
 from ._estimate import update_estimates_from_moments_
 from ._estimate import world_size as _world_size
 from ._eval_maps import standardization_affine
-from ._fused import batch_moments, group_moments, moments, stat_norm, warn_recompute_deprecated
+from ._fused import batch_moments, group_moments, moments_normalized, stat_norm, warn_recompute_deprecated
 from ._recompute import _device_autocast as device_autocast
 from ._recompute import autocast_enabled, checkpoint_once, recompute_active
 
@@ -194,7 +194,7 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
     def _forward_fused(self, x):
         """Eq. 40-42 as one per-(n, c) affine map A x + B (``normdense/layers/_fused.py``)."""
         x3 = x.reshape(x.shape[0], x.shape[1], -1)
-        m, v = moments(x3)
+        m, v, normalized = moments_normalized(x3)
         params = (self.batch_weight, self.batch_bias, self.weight, self.bias)
         if self.mode == 'estimate' or not self.training:
             if self.mode == 'estimate' and self.training:
@@ -212,7 +212,8 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
                                           coeffs.keywords.get('synced') is None)
         with torch.autocast(x.device.type, enabled=False):
             # the coefficients' graph (with the synced moments' all-reduce) is kept: never rerun in backward
-            return stat_norm(x, coeffs, params, out_dtype=out_dtype, stats=(m, v), compiled=self.compiled)
+            return stat_norm(x, coeffs, params, out_dtype=out_dtype, stats=(m, v, normalized),
+                             compiled=self.compiled)
 
     def _reference_dtype(self, x, batch_stats: bool) -> torch.dtype:
         """The output dtype of the reference composition: under autocast its F.batch_norm / F.group_norm

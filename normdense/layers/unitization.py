@@ -60,7 +60,7 @@ import torch.nn as nn
 
 from ._estimate import EstimateRateMixin, update_estimates_, update_estimates_from_moments_
 from ._eval_maps import standardization_affine
-from ._fused import batch_moments, moments, stat_norm, warn_recompute_deprecated
+from ._fused import batch_moments, moments_normalized, stat_norm, warn_recompute_deprecated
 from ._recompute import checkpoint_once, recompute_active
 
 UNITIZATION_MODES = ('batch', 'estimate')
@@ -212,7 +212,7 @@ class Unitization2d(EstimateRateMixin, nn.Module):
     def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
         """Both stages as one per-(n, c) affine map A x + B (``normdense/layers/_fused.py``)."""
         x3 = x.reshape(x.shape[0], x.shape[1], -1)
-        m, v = moments(x3)
+        m, v, normalized = moments_normalized(x3)
         positions = x3.shape[2]
         fixed = None
         if self.mode == 'estimate' or not self.training:
@@ -224,7 +224,7 @@ class Unitization2d(EstimateRateMixin, nn.Module):
         else:
             self._track(*batch_moments(m, v), m.shape[0] * positions)
         coeffs = functools.partial(self._coeffs, fixed=fixed, positions=positions)
-        return stat_norm(x, coeffs, (self.alpha, self.weight, self.bias), stats=(m, v),
+        return stat_norm(x, coeffs, (self.alpha, self.weight, self.bias), stats=(m, v, normalized),
                          compiled=self.compiled)
 
     def _track(self, mean, var, count):
