@@ -20,6 +20,11 @@ sums  sum_l g (x - m),  sum_l g  (and  sum_l dy phi(.),  sum_l dy  with phi). B 
 (n, c) (before phi), so every term stays at the scale of x's spread, not of its mean. Only x (in its own dtype)
 and channel-sized tensors are kept for backward: the activation memory of one nn.GroupNorm.
 
+Buffers: on the CPU a fresh activation-sized tensor costs page faults on first touch (glibc hands large
+blocks back to the OS), more than the pass that fills it; so y is written over the normalized output of
+the moments' kernel and dx over the backward's own buffers (t, or the ReLU mask): 2 activation-sized
+allocations per forward + backward (3 with ReLU), GroupNorm's 2.
+
 The moments and coefficients are float32 for fp16/bf16 inputs (float64 for float64 ones); ``coeffs`` is
 called once, in the forward, so side effects there (running statistics, a collective) happen once.
 """

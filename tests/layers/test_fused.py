@@ -131,6 +131,27 @@ def test_2d_and_1x1_inputs(name):
 
 
 @pytest.mark.parametrize('name', sorted(CASES))
+def test_inputs_untouched_and_output_modifiable_in_place(name):
+    """The fused path writes into its own buffers only: x and the incoming gradient are left as they were,
+    and its output can be modified in place by the next layer (ReLU(inplace=True): not a view made inside
+    the autograd Function)."""
+    fused, ref = make(name)
+    x = torch.randn(2, C, 5, 6, dtype=torch.float64) * 2 + 1
+    dy = torch.randn(2, C, 5, 6, dtype=torch.float64)
+    results = []
+    for layer in (fused, ref):
+        xi, dyi = x.clone().requires_grad_(True), dy.clone()
+        layer(xi).backward(dyi)  # the Function's backward gets (a view of) dyi itself
+        assert torch.equal(xi.detach(), x) and torch.equal(dyi, dy)
+        xi.grad = None
+        y = layer(xi)
+        torch.relu_(y).backward(dyi)
+        results.append((y.detach(), xi.grad))
+    for u, v in zip(*results):
+        torch.testing.assert_close(u, v, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize('name', sorted(CASES))
 def test_empty_input_as_reference(name):
     fused, ref = make(name)
     x = torch.zeros(0, C, 7, 7, dtype=torch.float64)
