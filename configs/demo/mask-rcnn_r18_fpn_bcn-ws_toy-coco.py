@@ -2,13 +2,13 @@
 # 2 CPU cores in minutes. Stated plainly, what is smaller than the paper's setting:
 # * backbone: a half-width ResNet-18 (stem and base channels 32, not 64; BCN with 16 groups, the paper's
 #   channels per group) pretrained on toy ImageNet (configs/demo/resnet18-w32_bcn-ws_toy-imagenet.py,
-#   2000 iterations on 64x64 crops) and converted with tools/convert_checkpoint.py -- `make
+#   3000 iterations on 64x64 crops) and converted with tools/convert_checkpoint.py -- `make
 #   demo` does both when checkpoints/resnet18-w32_bcn-ws_toy.pth is missing (from scratch:
 #   model.backbone.init_cfg=None);
 # * 64-channel FPN and heads (not 256), 32 sampled RoIs per image, up to half of them positive (not 512
 #   with a quarter: the 4conv1fc box head runs on every sampled RoI);
 # * 160x160 toy COCO images (`tools/make_toy_coco.py --num-train 1000`, as `make demo` runs it: with the
-#   tool's default 256 train images the longer schedule over-fits), 2 images per batch, 1400 iterations
+#   tool's default 256 train images the longer schedule over-fits), 2 images per batch, 2000 iterations
 #   with lr 0.02, 100 warm-up iterations and cosine decay (not 24 epochs).
 # Half width and 64 channels make a step about 2x faster than a full-width ResNet-18 with 128-channel
 # heads, and the time goes into twice the iterations (the measurements, with the alternatives tried -- a
@@ -21,7 +21,7 @@ _base_ = '../mask_rcnn/mask-rcnn_r50_fpn_bcn-ws_2x_coco.py'
 data_root = 'data/toy_coco/'
 classes = ('circle', 'rectangle', 'ring', 'star', 'triangle')
 width = 64
-max_iters = 1400
+max_iters = 2000
 pretrained = 'checkpoints/resnet18-w32_bcn-ws_toy.pth'
 
 model = dict(
@@ -34,7 +34,7 @@ model = dict(
             checkpoint=pretrained,
             produced_by='python tools/make_toy_imagenet.py && python tools/train.py '
             'configs/demo/resnet18-w32_bcn-ws_toy-imagenet.py && python tools/convert_checkpoint.py '
-            f'work_dirs/resnet18-w32_bcn-ws_toy-imagenet/iter_2000.pth {pretrained} --to mmdet (or: make demo)')),
+            f'work_dirs/resnet18-w32_bcn-ws_toy-imagenet/iter_3000.pth {pretrained} --to mmdet (or: make demo)')),
     neck=dict(in_channels=[32, 64, 128, 256], out_channels=width),
     rpn_head=dict(in_channels=width, feat_channels=width),
     roi_head=dict(
