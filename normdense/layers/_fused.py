@@ -47,27 +47,30 @@ def moments(x3: torch.Tensor):
     return moments_normalized(x3)[:2]
 
 
+_TINY_VAR = 1e-30  # the moments kernel's eps on the CPU; a variance at or below it counts as 0
+
+
 def moments_normalized(x3: torch.Tensor):
     """(mean, biased variance, x normalized per (n, c) or None) of x3 (N, C, L), outside autograd.
 
-    On the CPU, GroupNorm's forward kernel with one channel per group and eps = 0 gives the moments in one
-    pass (torch.var_mean's Welford reduction is ~30x slower; E[x^2] - E[x]^2 in float32 loses the variance
-    of a channel whose mean is large), and its output (x - m) / sd is returned as the buffer the forward
-    writes y into (one large allocation fewer; None where a channel is constant: 0 / 0 there). var = rstd^-2."""
+    On the CPU, GroupNorm's forward kernel with one channel per group gives the moments in one pass
+    (torch.var_mean's Welford reduction is ~30x slower; E[x^2] - E[x]^2 in float32 loses the variance of a
+    channel whose mean is large), and its output (x - m) / sd is returned as the buffer the forward writes
+    y into (one large allocation fewer). Its eps is 1e-30, not 0, so that a constant channel gives a finite
+    buffer (rstd = 1e15, not inf: no NaN from 0 * inf) without a check that reads values (a host sync on
+    a GPU); var = rstd^-2 - 1e-30, and a variance at or below 1e-30 is 0 (y = B there, whatever the
+    buffer holds). On CUDA, SyncBN's statistics kernel: one read, nothing written, no buffer."""
     with torch.no_grad():
         xc = x3.to(compute_dtype(x3))
         n, c, length = xc.shape
-        if xc.is_cuda:  # SyncBN's statistics kernel: one read, nothing written (CUDA only)
+        if xc.is_cuda:
             m, rstd = torch.batch_norm_stats(xc.reshape(1, n * c, length), 0.0)
-            normalized = None
-        else:
-            normalized, m, rstd = torch.ops.aten.native_group_norm(xc, None, None, n, c, length, c, 0.0)
-        rstd = rstd.view(n, c)
-        # a constant channel: rstd = inf from the CPU kernel (inf^-2 = 0), 0 from the CUDA one (SyncBN's
-        # InvStd returns 0 for var = eps = 0)
-        if normalized is not None and not bool(torch.isfinite(rstd).all()):
-            normalized = None
-        return m.view(n, c), torch.where(rstd > 0, rstd.pow(-2), torch.zeros_like(rstd)), normalized
+            # a constant channel: SyncBN's InvStd returns 0 for var = eps = 0
+            rstd = rstd.view(n, c)
+            return m.view(n, c), torch.where(rstd > 0, rstd.pow(-2), torch.zeros_like(rstd)), None
+        normalized, m, rstd = torch.ops.aten.native_group_norm(xc, None, None, n, c, length, c, _TINY_VAR)
+        v = rstd.view(n, c).pow(-2) - _TINY_VAR
+        return m.view(n, c), torch.where(v > _TINY_VAR, v, torch.zeros_like(v)), normalized
 
 
 def affine(t: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor] = None) -> torch.Tensor:
