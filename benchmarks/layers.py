@@ -19,6 +19,13 @@ timed side by side, interleaved, the starting row rotating each round, after 2 w
 (benchmarks/_timing.py); the time is the median over ``--repeats`` rounds (IQR reported too). Results
 are keyed ``'<threads>thr <N>x<C>x<H>x<W>'``.
 
+Allocator (``--malloc``). On the CPU, glibc returns large freed blocks to the OS, and an activation-sized
+allocation then page-faults on first touch, which costs more than the pass that fills it; whether it does
+depends on what was allocated before (the other rows of the round), so a layer's time can change by
+2-3x between runs of the same code. ``faults`` is the median number of minor page faults per step.
+``--malloc retain`` restarts the run with glibc keeping freed memory (``_timing.RETAIN_MALLOC_ENV``):
+no faults after the warm-up, as with a GPU's caching allocator; the JSON's conditions record which.
+
 Memory is the bytes of the tensors autograd keeps from the forward for the backward (distinct storages,
 parameters not counted; ``saved_activation_bytes``): ``saved MB`` in total, ``act B/elem`` the part that
 grows with the input (measured again at twice the height), ``fixed MB`` the rest.
@@ -68,7 +75,8 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, osp.join(osp.dirname(osp.abspath(__file__)), '..'))
-from benchmarks._timing import conditions, interleaved_times, median_iqr, saved_activation_bytes  # noqa: E402
+from benchmarks._timing import (conditions, count_ops, interleaved_times, median_iqr,  # noqa: E402
+                               restart_with_retained_malloc, saved_activation_bytes)
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 RECOMPUTE = ' recompute'  # suffix of the rows of layers built with recompute=True (IterNorm / ZCA)
@@ -194,7 +202,8 @@ def bench_setting(cands, shape, repeats, relu_input):
     grad = torch.randn(shape)
     modules = {n: f().train() for n, f in cands.items()}
     steps = {n: make_step(m, x, grad) for n, m in modules.items()}
-    times = interleaved_times(steps, repeats)
+    faults = {}
+    times = interleaved_times(steps, repeats, faults=faults)
     # Saved bytes at this size and at twice the height: the difference is the part that grows with the
     # activation (bytes per input element), the rest is fixed (weight-sized: standardized kernels, proxy
     # samples, whitening matrices).
@@ -207,6 +216,7 @@ def bench_setting(cands, shape, repeats, relu_input):
         mem2 = saved_activation_bytes(lambda: m(x2), list(m.parameters()))
         per_elem = (mem2 - mem) / numel
         rows[n] = dict(time_ms=med * 1e3, iqr_ms=iqr * 1e3, saved_bytes=mem, repeats=repeats,
+                       faults_per_step=sorted(faults[n])[len(faults[n]) // 2], ops_per_step=count_ops(steps[n]),
                        act_bytes_per_elem=per_elem, fixed_bytes=mem - per_elem * numel)
     return rows
 
@@ -235,7 +245,12 @@ def main(argv=None):
                         help="figure path ('' for none)")
     parser.add_argument('--compiled', action='store_true',
                         help="add rows of the fused layers with compiled=True (torch.compile'd passes)")
+    parser.add_argument('--malloc', choices=('default', 'retain'), default='default',
+                        help="'retain': restart with glibc malloc keeping freed memory (no page faults from "
+                             "re-allocated activations, as with a GPU's caching allocator; _timing.py)")
     args = parser.parse_args(argv)
+    if args.malloc == 'retain':
+        restart_with_retained_malloc(sys.argv[1:] if argv is None else argv)
     conv_shapes = args.shapes if args.conv_shapes is None else args.conv_shapes
     for shape in args.shapes:
         if shape[1] % 64:  # GN/BCN/GNPN use 32 groups, IterNorm/ZCA groups of 64 channels
@@ -309,18 +324,19 @@ def bench_whitening(shape, repeats):
 
 def print_table(title, rows, ref, floor=None):
     print(f'\n{title}')
-    print(f'{"layer":32s} {"median ms":>10s} {"IQR ms":>8s} {"time/ref":>9s}'
+    print(f'{"layer":32s} {"median ms":>10s} {"IQR ms":>8s} {"faults":>7s} {"ops":>5s} {"time/ref":>9s}'
           + (f' {"time/floor":>10s}' if floor else '')
           + f' {"saved MB":>9s} {"saved/ref":>9s} {"act B/elem":>10s} {"act/ref":>8s} {"fixed MB":>9s}')
     for n, r in rows.items():
         act_ref = rows[ref]['act_bytes_per_elem']
-        print(f'{n:32s} {r["time_ms"]:10.2f} {r["iqr_ms"]:8.2f} {r["time_ms"] / rows[ref]["time_ms"]:9.2f}'
+        print(f'{n:32s} {r["time_ms"]:10.2f} {r["iqr_ms"]:8.2f} {r["faults_per_step"]:7d} {r["ops_per_step"]:5d} '
+              f'{r["time_ms"] / rows[ref]["time_ms"]:9.2f}'
               + (f' {r["time_ms"] / rows[floor]["time_ms"]:10.2f}' if floor else '')
               + f' {r["saved_bytes"] / 2**20:9.2f} {r["saved_bytes"] / rows[ref]["saved_bytes"]:9.3f} '
               f'{r["act_bytes_per_elem"]:10.2f} {r["act_bytes_per_elem"] / act_ref if act_ref else float("nan"):8.2f} '
               f'{r["fixed_bytes"] / 2**20:9.2f}')
     print(f'(ref = {ref}' + (f'; floor = {floor}: y = x * w, dx = dy * w' if floor else '')
-          + '; saved = tensors autograd keeps for backward; act B/elem = saved bytes that grow per input '
+          + '; faults = minor page faults per step, median; ops = ATen ops per step (no views); saved = tensors autograd keeps for backward; act B/elem = saved bytes that grow per input '
           'element; fixed = the rest)')
 
 

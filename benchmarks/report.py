@@ -40,13 +40,16 @@ def layers():
     settings = list(r['norm'])
     names = list(r['norm'][settings[0]])
     print('| layer | ' + ' | '.join(f'{s} time (GN {r["norm"][s]["nn.GroupNorm(32)"]["time_ms"]:.2f} ms)'
-                                    for s in settings) + ' | act. memory / GN | fixed MB |')
-    print('|---|' + '---|' * (len(settings) + 2))
+                                    for s in settings) + ' | act. memory / GN | fixed MB | ATen ops / step '
+          '| page faults / step |')
+    print('|---|' + '---|' * (len(settings) + 4))
     for n in names:
         cells = [f'{r["norm"][s][n]["time_ms"] / r["norm"][s]["nn.GroupNorm(32)"]["time_ms"]:.2f}' for s in settings]
         s0 = settings[0]
         mem = r['norm'][s0][n]['act_bytes_per_elem'] / r['norm'][s0]['nn.GroupNorm(32)']['act_bytes_per_elem']
-        print(f'| {n} | ' + ' | '.join(cells) + f' | {mem:.2f} | {r["norm"][s0][n]["fixed_bytes"] / 2**20:.2f} |')
+        faults = '/'.join(str(r['norm'][s][n].get('faults_per_step', '?')) for s in settings)
+        print(f'| {n} | ' + ' | '.join(cells) + f' | {mem:.2f} | {r["norm"][s0][n]["fixed_bytes"] / 2**20:.2f} | '
+              f'{r["norm"][s0][n].get("ops_per_step", "?")} | {faults} |')
     print('\n**3x3 convs 256->256** (post-ReLU input): time ratio to nn.Conv2d (its median ms in the header):\n')
     settings = list(r['conv'])
     names = list(r['conv'][settings[0]])
@@ -101,6 +104,27 @@ def layers():
             cells = {row['setting']: f'{row["time_ratio"]:.2f}' for row in rows}
             print(f'| {layer} | ' + ' | '.join(cells.get(s, '') for s in settings) +
                   f' | {rows[0]["mem_default"]:.2f} | {rows[0]["mem_recompute"]:.2f} | {rows[0]["mem_ref"]} |')
+
+
+def layers_retain():
+    r = load('layers_retain.json')
+    if r is None:
+        return
+    print(f'`--malloc retain --compiled` (glibc keeps freed memory: no page faults after the warm-up); conditions: '
+          f'{cond_line(r["conditions"], r.get("conditions_end"))}. fwd+bwd time / nn.GroupNorm(32) per setting, '
+          'fused (reference, compiled); median page faults per step of the fused row:\n')
+    settings = list(r['norm'])
+    print('| layer | ' + ' | '.join(settings) + ' | faults |')
+    print('|---|' + '---|' * (len(settings) + 1))
+    for n in [n for n in r['norm'][settings[0]] if n + ' reference' in r['norm'][settings[0]]]:
+        cells = []
+        for st in settings:
+            rows = r['norm'][st]
+            gn = rows['nn.GroupNorm(32)']['time_ms']
+            extra = [f'{rows[k]["time_ms"] / gn:.2f}' for k in (n + ' reference', n + ' compiled') if k in rows]
+            cells.append(f'**{rows[n]["time_ms"] / gn:.2f}** ({", ".join(extra)})')
+        faults = '/'.join(str(r['norm'][st][n]['faults_per_step']) for st in settings)
+        print(f'| {n} | ' + ' | '.join(cells) + f' | {faults} |')
 
 
 def layers_compiled():
@@ -215,6 +239,7 @@ def digits():
 
 if __name__ == '__main__':
     for title, fn in (('Layer benchmark', layers), ('Layer benchmark, compiled=True', layers_compiled),
+                      ('Layer benchmark, malloc retained', layers_retain),
                       ('Fused vs unfused inference', fuse_latency),
                       ('Fused WS+BCN ResNet-50 vs frozen-BN ResNet-50', fused_resnet50),
                       ('Training step', train_step), ('Training step, Mask R-CNN R-50-FPN', train_step_r50),
