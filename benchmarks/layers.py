@@ -69,6 +69,7 @@ import argparse
 import json
 import os
 import os.path as osp
+import statistics
 import sys
 
 import torch
@@ -216,7 +217,7 @@ def bench_setting(cands, shape, repeats, relu_input):
         mem2 = saved_activation_bytes(lambda: m(x2), list(m.parameters()))
         per_elem = (mem2 - mem) / numel
         rows[n] = dict(time_ms=med * 1e3, iqr_ms=iqr * 1e3, saved_bytes=mem, repeats=repeats,
-                       faults_per_step=sorted(faults[n])[len(faults[n]) // 2], ops_per_step=count_ops(steps[n]),
+                       faults_per_step=statistics.median_low(faults[n]), ops_per_step=count_ops(steps[n]),
                        act_bytes_per_elem=per_elem, fixed_bytes=mem - per_elem * numel)
     return rows
 
@@ -336,8 +337,9 @@ def print_table(title, rows, ref, floor=None):
               f'{r["act_bytes_per_elem"]:10.2f} {r["act_bytes_per_elem"] / act_ref if act_ref else float("nan"):8.2f} '
               f'{r["fixed_bytes"] / 2**20:9.2f}')
     print(f'(ref = {ref}' + (f'; floor = {floor}: y = x * w, dx = dy * w' if floor else '')
-          + '; faults = minor page faults per step, median; ops = ATen ops per step (no views); saved = tensors autograd keeps for backward; act B/elem = saved bytes that grow per input '
-          'element; fixed = the rest)')
+          + '; faults = minor page faults per step, median; ops = ATen ops per step (no views); saved = '
+          'tensors autograd keeps for backward; act B/elem = saved bytes that grow per input element; fixed = '
+          'the rest)')
 
 
 def reference_summary(results):

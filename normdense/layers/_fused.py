@@ -67,10 +67,10 @@ def moments_normalized(x3: torch.Tensor):
             m, rstd = torch.batch_norm_stats(xc.reshape(1, n * c, length), 0.0)
             # a constant channel: SyncBN's InvStd returns 0 for var = eps = 0
             rstd = rstd.view(n, c)
-            return m.view(n, c), torch.where(rstd > 0, rstd.pow(-2), torch.zeros_like(rstd)), None
+            return m.view(n, c), torch.where(rstd > 0, rstd.pow(-2), 0.0), None
         normalized, m, rstd = torch.ops.aten.native_group_norm(xc, None, None, n, c, length, c, _TINY_VAR)
         v = rstd.view(n, c).pow(-2) - _TINY_VAR
-        return m.view(n, c), torch.where(v > _TINY_VAR, v, torch.zeros_like(v)), normalized
+        return m.view(n, c), torch.where(v > _TINY_VAR, v, 0.0), normalized
 
 
 def affine(t: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor] = None) -> torch.Tensor:
