@@ -214,9 +214,15 @@ def state_dict_of(checkpoint, revise_keys=((r'^module\.', ''),)):
 def load_mismatch(model, state_dict):
     """(missing, unexpected, mismatched) keys of loading ``state_dict`` into ``model`` (unwrapped from
     DDP / TTA wrappers). ``num_batches_tracked`` may be missing (mmengine ignores it too: checkpoints of
-    older BN layers lack it); ``mismatched`` holds ``(key, checkpoint shape, model shape)``."""
-    own = _unwrap(model).state_dict()
-    missing = [k for k in own if k not in state_dict and not k.endswith('num_batches_tracked')]
+    older BN layers lack it), and so may a WSConv2d's ``_extra_state``; ``mismatched`` holds
+    ``(key, checkpoint shape, model shape)``."""
+    model = _unwrap(model)
+    own = model.state_dict()
+    # a WSConv2d's saved formula (_extra_state) is optional too: older checkpoints keep the configured one
+    from .layers.ws import EXTRA_STATE_KEY, WSConv2d
+    optional = {f'{n}.{EXTRA_STATE_KEY}' if n else EXTRA_STATE_KEY for n, m in model.named_modules()
+                if isinstance(m, WSConv2d)}
+    missing = [k for k in own if k not in state_dict and not k.endswith('num_batches_tracked') and k not in optional]
     unexpected = [k for k in state_dict if k not in own]
     mismatched = [(k, tuple(v.shape), tuple(own[k].shape)) for k, v in state_dict.items()
                   if k in own and torch.is_tensor(v) and tuple(v.shape) != tuple(own[k].shape)]

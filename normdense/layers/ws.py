@@ -13,14 +13,27 @@ authors' public code, so it is an explicit choice (``formula``):
 ``'paper'``         sigma = sqrt(var_biased + eps)          Eq. 7 (the default)
 ``'std_unbiased'``  sigma = std_unbiased + eps              the authors' first release and mmcv's ConvWS
 ``'var_unbiased'``  sigma = sqrt(var_unbiased + eps)        the code that trained the authors' BCN models
+
+The three are different functions of the same weights (biased vs unbiased variance, eps inside or
+outside the root; the difference compounds through a network), so the formula and eps a conv was trained
+with are saved *with its weights*: ``WSConv2d``'s state dict holds ``_extra_state`` = float64 ``[index in WS_FORMULAS, eps]`` (a tensor, so ``.cpu()``, ``.half()``,
+weights-only loads and mmengine's checkpoint tools handle it like any weight). Loading sets them, so a
+reload, ``load_from``, ``--resume``, ``tools/test.py`` and ``tools/deploy.py`` compute the trained function
+whatever the config says; a disagreeing config gets one warning line per load. State dicts without the
+entry (saved before it existed) load strictly and keep the configured formula.
 """
+import logging
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ._recompute import autocast_enabled
 
+# Checkpoints store a formula as its index here: append new formulas, never reorder.
 WS_FORMULAS = ('paper', 'std_unbiased', 'var_unbiased')
+EXTRA_STATE_KEY = '_extra_state'  # torch's name for get_extra_state()'s entry in a state dict
 
 
 def _check_formula(formula):
@@ -52,12 +65,56 @@ def standardize_weight(weight: torch.Tensor, eps: float = 1e-5, formula: str = '
     return out.reshape(w.shape)
 
 
+def ws_state(formula: str, eps: float) -> torch.Tensor:
+    """The ``_extra_state`` tensor recording a WS formula and eps: float64 ``[WS_FORMULAS.index, eps]``."""
+    _check_formula(formula)
+    return torch.tensor([float(WS_FORMULAS.index(formula)), float(eps)], dtype=torch.float64)
+
+
+def decode_ws_state(state) -> tuple:
+    """``(formula, eps)`` from a :func:`ws_state` tensor (any dtype or device); ``ValueError`` if malformed."""
+    if not torch.is_tensor(state) or state.numel() != 2:
+        raise ValueError(f'expected a 2-element tensor [formula index, eps], got {_describe(state)}')
+    index, eps = state.detach().reshape(-1).double().cpu().tolist()
+    if not (index == int(index) and 0 <= index < len(WS_FORMULAS)):
+        raise ValueError(f'formula index {index} is not one of 0..{len(WS_FORMULAS) - 1} {WS_FORMULAS} (a '
+                         'checkpoint from a newer normdense?)')
+    if not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f'eps must be positive, got {eps}')
+    return WS_FORMULAS[int(index)], eps
+
+
+def _describe(obj):
+    return f'a {obj.dtype} tensor of shape {tuple(obj.shape)}' if torch.is_tensor(obj) else type(obj).__name__
+
+
+def _log_warning(message: str) -> None:
+    """One warning line through mmengine's current logger (the layer itself needs only torch)."""
+    try:
+        from mmengine.logging import print_log
+    except ImportError:  # pragma: no cover - normdense installs mmengine
+        import warnings
+        warnings.warn(message, stacklevel=3)
+        return
+    print_log(message, logger='current', level=logging.WARNING)
+
+
+# The load call seen last (its missing-keys list, which torch and mmengine pass unchanged to every module's
+# _load_from_state_dict) and the (configured, loaded) switches already reported for it. Holding the list
+# keeps its id from being reused by a later call.
+_reported = [None, set()]
+
+
 class WSConv2d(nn.Conv2d):
     """Conv2d whose weight is standardized per output channel before every convolution (Eq. 5-7).
 
     A drop-in for ``nn.Conv2d`` (and for mmcv ``conv_cfg=dict(type='WSConv2d')`` in ConvModule,
     mmdet/mmseg ResNet, FPN and RoI heads). The stored ``weight`` is the raw W that SGD updates; the
     convolution uses ``standardized_weight()``.
+
+    The formula and eps are part of the state dict (``_extra_state``, see the module docstring): loading
+    weights saved with other values switches the layer to them and logs one line per load (per
+    configured/loaded pair); weights saved without them keep the configured values.
 
     Args:
         eps: numerical guard of Eq. 7.
@@ -86,6 +143,51 @@ class WSConv2d(nn.Conv2d):
 
     def extra_repr(self):
         return super().extra_repr() + f', eps={self.eps}, formula={self.formula!r}'
+
+    # ---- the formula travels with the weights -------------------------------------------------------
+    def get_extra_state(self) -> torch.Tensor:
+        return ws_state(self.formula, self.eps)
+
+    def set_extra_state(self, state) -> None:
+        where = getattr(self, '_ws_loading', None)
+        name = f'{where[1]}{EXTRA_STATE_KEY}' if where else EXTRA_STATE_KEY
+        try:
+            formula, eps = decode_ws_state(state)
+        except ValueError as e:
+            raise ValueError(f'WSConv2d: cannot read the WS formula saved in {name}: {e}') from None
+        if state.dtype != torch.float64 and torch.tensor(self.eps, dtype=state.dtype).item() == eps:
+            eps = self.eps  # a state dict cast to a lower precision (e.g. .half()) rounds eps: same value
+        configured = (self.formula, self.eps)
+        self.formula, self.eps = formula, eps
+        if configured == (formula, eps):
+            return
+        pair = (configured, (formula, eps))
+        if where is not None:
+            if _reported[0] is not where[0]:
+                _reported[:] = [where[0], set()]
+            if pair in _reported[1]:
+                return
+            _reported[1].add(pair)
+        _log_warning(
+            f'WSConv2d: the loaded weights were trained with WS formula {formula!r} (eps={eps:g}), recorded in '
+            f'their state dict ({name}); the WSConv2d layers configured with {configured[0]!r} '
+            f'(eps={configured[1]:g}) use the trained one. Set formula={formula!r}, eps={eps:g} in conv_cfg to '
+            'match the weights and silence this line.')
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # missing_keys: the same list for every module of one load call, so set_extra_state reports each
+        # switch once per load rather than once per conv
+        self._ws_loading = (missing_keys, prefix)
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                          unexpected_keys, error_msgs)
+        finally:
+            del self._ws_loading
+        key = prefix + EXTRA_STATE_KEY
+        if key not in state_dict and key in missing_keys:
+            # saved before the formula was part of the state (or by a plain conv): keep the configured one
+            missing_keys.remove(key)
 
     @classmethod
     def convert_conv(cls, module: nn.Module, eps: float = 1e-5, formula: str = 'paper',

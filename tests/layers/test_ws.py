@@ -71,13 +71,16 @@ def test_train_and_eval_are_identical():
 
 
 def test_state_dict_round_trip_and_plain_conv_keys():
-    conv = WSConv2d(3, 4, 3, formula='var_unbiased')
+    conv = WSConv2d(3, 4, 3, formula='var_unbiased').double()
     plain = nn.Conv2d(3, 4, 3)
-    assert conv.state_dict().keys() == plain.state_dict().keys()
-    other = WSConv2d(3, 4, 3, formula='var_unbiased')
+    # a plain conv's keys plus the formula and eps (see tests/layers/test_ws_state.py)
+    assert list(conv.state_dict()) == list(plain.state_dict()) + ['_extra_state']
+    other = WSConv2d(3, 4, 3).double()  # configured 'paper': the loaded state switches it
     other.load_state_dict(conv.state_dict())
-    x = torch.randn(1, 3, 6, 6)
-    torch.testing.assert_close(other(x), conv(x))
+    assert other.formula == 'var_unbiased'
+    x = torch.randn(1, 3, 6, 6, dtype=torch.float64)
+    expected = F.conv2d(x, ws_transcription(conv.weight.detach(), 1e-5, 'var_unbiased'), conv.bias)
+    torch.testing.assert_close(other(x), expected, rtol=1e-12, atol=1e-12)
 
 
 def test_half_precision_weights_standardized_in_fp32():
@@ -95,15 +98,25 @@ def test_half_precision_weights_standardized_in_fp32():
     assert (naive.float().var((1, 2, 3), correction=0) - ones).abs().max() > 1e-3
 
 
-def test_autocast_bfloat16_close_to_fp32():
+@pytest.mark.parametrize('formula', ['paper', 'std_unbiased', 'var_unbiased'])
+def test_autocast_bfloat16_standardizes_in_fp32(formula):
+    """Under autocast the weight is standardized in fp32 (round-off of the float64 transcription); only
+    the convolution runs in bfloat16, so the output is the bfloat16 conv of the exactly standardized weight.
+    The tolerances are round-off: a wrong formula (sqrt(72/71) - 1 = 0.7 % here) fails both checks."""
     torch.manual_seed(0)
-    conv = WSConv2d(8, 8, 3, padding=1)
+    conv = WSConv2d(8, 8, 3, padding=1, formula=formula)
     x = torch.randn(1, 8, 10, 10)
-    ref = conv(x)
+    expected_w = ws_transcription(conv.weight.detach(), conv.eps, formula)
     with torch.autocast('cpu', dtype=torch.bfloat16):
+        w = conv.standardized_weight()
         y = conv(x)
-    assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.float(), ref, atol=0.1, rtol=0.05)
+    assert w.dtype == torch.float32 and y.dtype == torch.bfloat16
+    torch.testing.assert_close(w.double(), expected_w, rtol=1e-6, atol=1e-6)
+    # the same bfloat16 operands convolved in float64: differs only by accumulation order and the final
+    # rounding to bfloat16 (half an ulp, 2**-9 relative)
+    ref = F.conv2d(x.bfloat16().double(), expected_w.bfloat16().double(), conv.bias.bfloat16().double(), padding=1)
+    err = (y.double() - ref).abs()
+    assert (err <= 2 ** -8 * ref.abs() + 1e-3 * ref.abs().max()).all(), err.max()
 
 
 def test_bad_formula_rejected_at_build():
@@ -117,9 +130,13 @@ def test_std_unbiased_matches_mmcv_convws():
     torch.manual_seed(0)
     ours = build_conv_layer(dict(type='WSConv2d', formula='std_unbiased'), 3, 6, 3, padding=1)
     theirs = build_conv_layer(dict(type='ConvWS'), 3, 6, 3, padding=1)
-    theirs.load_state_dict(ours.state_dict())
-    x = torch.randn(2, 3, 9, 9)
-    torch.testing.assert_close(ours(x), theirs(x))
+    # mmcv's ConvWS keeps no formula in its state (it is always std_unbiased): leave ours out
+    theirs.load_state_dict({k: v for k, v in ours.state_dict().items() if k != '_extra_state'})
+    x = torch.randn(2, 3, 9, 9, dtype=torch.float64)
+    ours, theirs = ours.double(), theirs.double()
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-12, atol=1e-12)
+    expected = F.conv2d(x, ws_transcription(ours.weight.detach(), 1e-5, 'std_unbiased'), ours.bias, padding=1)
+    torch.testing.assert_close(ours(x), expected, rtol=1e-12, atol=1e-12)
 
 
 def test_conv_module_and_registry():
@@ -136,7 +153,7 @@ def test_convert_conv_swaps_and_excludes():
     assert type(model[0]) is WSConv2d and model[0].formula == 'var_unbiased'
     assert type(model[2][0]) is nn.Conv2d and type(model[3]) is nn.Linear
     torch.testing.assert_close(model[0].weight, ref_weight)
-    x = torch.randn(1, 3, 6, 6)
-    expected = F.conv2d(x, standardize_weight(ref_weight, formula='var_unbiased'), model[0].bias)
-    torch.testing.assert_close(model[0](x), expected)
+    x = torch.randn(1, 3, 6, 6, dtype=torch.float64)
+    expected = F.conv2d(x, ws_transcription(ref_weight, 1e-5, 'var_unbiased'), model[0].bias.double())
+    torch.testing.assert_close(model[0].double()(x), expected, rtol=1e-12, atol=1e-12)
     assert type(WSConv2d.convert_conv(nn.Conv2d(2, 2, 1))) is WSConv2d
