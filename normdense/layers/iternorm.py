@@ -21,9 +21,23 @@ momentum lambda (Eq. 8, init 0 and I); eval uses the running ones, so the layer 
 1x1 convolution. Training needs m >= 2 observations (N*H*W, as BatchNorm needs more than one value per
 channel): with one, the centred data is all zero, the output carries no information and the running
 whitening matrix would drift towards eps^{-1/2} I, so a training forward with m = 1 raises ``ValueError``
-(an empty input passes through untouched). Gradients flow by autograd through the T iterations (the paper's Eq. 6-7 manual
-backward is not needed). The whitening runs in float32 (float64 for float64 inputs) with autocast
-disabled.
+(an empty input passes through untouched).
+
+A group whose batch carries no covariance leaves its running mean and whitening matrix as they were
+(the training output is still the paper's, finite: W X_C with X_C ~ 0). Sigma = C + eps I with the data
+covariance C = X_C X_C^T / m; for C = 0 (a dead feature map, zero padding, a constant group) W is
+eps^{-1/2} I up to T's convergence, and Eq. 8 averages W itself (not Sigma, as BatchNorm averages the
+variance), so a single such batch at momentum 0.1 adds ~0.1 * 316 = 31 to the running matrix and eval
+scales normal inputs ~31x. The criterion is tr(C) <= d * eps (per group, a tensor condition: no host sync):
+the mean channel variance is at most eps, so Sigma is dominated by the regulariser rather than the
+data and W reflects eps, not the features (at tr(C) = d * eps the whitened output's variance is
+already only ~1/2). Features whose variance stays below eps in *every* batch thus keep the initial
+running matrix (identity); rescale them or lower eps. The criterion is per group: a dead channel inside
+a live group is whitened as the paper says (its direction, eigenvalue eps, gets W's largest gain), as
+BatchNorm's running variance tracks a dead channel.
+
+Gradients flow by autograd through the T iterations (the paper's Eq. 6-7 manual backward is not needed).
+The whitening runs in float32 (float64 for float64 inputs) with autocast disabled.
 
 ``recompute=True`` (off by default) keeps only the layer's input for backward (plain autograd keeps the
 centred groups and the whitened output, twice nn.GroupNorm's activation memory) and recomputes the
@@ -204,6 +218,13 @@ class IterNorm(nn.Module):
             return zca_whitening_matrix(xc, self.eps)
         return newton_whitening_matrix(xc, self.eps, self.T)
 
+    def _live_groups(self, xc: torch.Tensor) -> torch.Tensor:
+        """(G,) bool: groups of centred data ``xc`` (G, d, m) whose data covariance C = X_C X_C^T / m has
+        tr(C) > d * eps, i.e. a mean channel variance above eps (see the module docstring). A tensor
+        condition, so the update stays free of host syncs."""
+        d, m = xc.shape[1:]
+        return xc.square().sum(dim=(1, 2)) > (d * m) * self.eps
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() < 2 or x.size(1) != self.num_features:
             raise ValueError(f'IterNorm expects input (N, {self.num_features}, ...), '
@@ -244,11 +265,14 @@ class IterNorm(nn.Module):
                     xc = xb - mean
                     wm = self.whitening_matrix(xc)
                     if update:
-                        with torch.no_grad():  # Eq. 8
-                            rm = self.running_mean[c0:c0 + ng * size]
-                            rm.lerp_(mean.detach().view(-1).to(rm.dtype), self.momentum)
+                        with torch.no_grad():  # Eq. 8, for the groups whose batch carries a covariance
+                            live = self._live_groups(xc)
+                            rm = self.running_mean[c0:c0 + ng * size].view(ng, size)
+                            rm.copy_(torch.where(live.view(ng, 1),
+                                                 rm.lerp(mean.detach().view(ng, size).to(rm.dtype), self.momentum), rm))
                             rw = self.running_wm[g0:g0 + ng, :size, :size]
-                            rw.lerp_(wm.detach().to(rw.dtype), self.momentum)
+                            rw.copy_(torch.where(live.view(ng, 1, 1), rw.lerp(wm.detach().to(rw.dtype), self.momentum),
+                                                 rw))
                 else:
                     mean = self.running_mean[c0:c0 + ng * size].to(dtype).view(ng, size, 1)
                     xc = xb - mean

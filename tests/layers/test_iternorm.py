@@ -343,3 +343,75 @@ def test_recompute_from_config_keeps_state_dict_keys():
     _, layer = build_norm_layer(dict(type='IterNorm', group_size=16, recompute=True), 48)
     assert layer.recompute and 'recompute=True' in repr(layer) and not IterNorm(48).recompute
     assert set(layer.state_dict()) == set(IterNorm(48, group_size=16).state_dict())
+
+
+# --- a batch without covariance (dead feature map, zero padding) leaves the running statistics -----------
+
+def _eval_std_on_normal_data(layer, c):
+    x = torch.randn(4, c, 8, 8, generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        return layer.eval()(x).std().item()
+
+
+@pytest.mark.parametrize('method', ['newton', 'zca'])
+@pytest.mark.parametrize('steps', [1, 5])
+def test_all_zero_batches_leave_eval_at_unit_scale(steps, method):
+    """Before the fix one all-zero batch at momentum 0.1 added ~0.1 * eps^{-1/2} * (T's convergence) to
+    the running whitening matrix: eval scaled N(0, 1) inputs 25x (100x after 5 such batches)."""
+    layer = IterNorm(64, method=method)  # affine at init: eval output = whitened input
+    for _ in range(steps):
+        y = layer.train()(torch.zeros(2, 64, 8, 8))
+        assert torch.isfinite(y).all() and y.abs().max() == 0  # the training output stays the paper's
+    assert torch.equal(layer.running_wm, IterNorm(64).running_wm)
+    assert torch.equal(layer.running_mean, torch.zeros(64))
+    assert abs(_eval_std_on_normal_data(layer, 64) - 1) < 0.02
+
+
+@pytest.mark.parametrize('dead', [torch.zeros, lambda *s: torch.full(s, 3.0),
+                                  lambda *s: 3.0 + 1e-4 * torch.randn(s)], ids=['zeros', 'constant', 'variance-1e-8'])
+def test_dead_batch_after_training_keeps_the_whitening(dead):
+    """Trained on correlated data, then a batch whose covariance is 0, or below eps (variance 1e-8 < 1e-5):
+    the running statistics stay those of the training data."""
+    g = torch.Generator().manual_seed(0)
+    mixing = torch.eye(16) + 0.3 * torch.randn(16, 16, generator=g)  # one correlated distribution
+
+    def data(n, h, w):
+        return torch.einsum('ij,njhw->nihw', mixing, torch.randn(n, 16, h, w, generator=g)) + 1.0
+
+    layer = IterNorm(16, group_size=8, momentum=0.5)  # 0.5: the initial identity is forgotten in 20 steps
+    for _ in range(20):
+        layer(data(8, 12, 12))
+    before = {n: b.clone() for n, b in layer.named_buffers()}
+    for _ in range(3):
+        assert torch.isfinite(layer(dead(2, 16, 6, 6))).all()
+    for n, b in layer.named_buffers():
+        assert torch.equal(b, before[n]), n
+    with torch.no_grad():
+        y = layer.eval()(data(8, 16, 16)).double()
+    # the layer still whitens: the output covariance of fresh data from the training distribution ~ I
+    # (up to sampling noise and T = 5's partial convergence; before the fix its diagonal was ~600)
+    for start in (0, 8):
+        cov = covariance(y, start, start + 8)
+        assert (cov - torch.eye(8, dtype=torch.float64)).abs().max() < 0.2, cov
+
+
+@pytest.mark.parametrize('group', [1, 2], ids=['middle-group', 'smaller-last-group'])
+def test_a_group_without_covariance_leaves_the_other_groups_updates_intact(group):
+    """Groups 4, 4, 2 (two batched blocks): one group all zero, the others updated exactly as with live data
+    in that group (float64), the zero group's statistics untouched (no host sync: a per-group torch.where)."""
+    x = correlated(3, 10, 4, 5, seed=4)
+    dead_x = x.clone()
+    zero = slice(4 * group, min(4 * group + 4, 10))
+    dead_x[:, zero] = 0.0
+    live, dead = IterNorm(10, group_size=4).double(), IterNorm(10, group_size=4).double()
+    with torch.no_grad():
+        live(x)
+        dead(dead_x)
+    fresh = IterNorm(10, group_size=4).double()
+    for g, (start, d) in enumerate([(0, 4), (4, 4), (8, 2)]):
+        src = fresh if g == group else live
+        torch.testing.assert_close(dead.running_wm[g], src.running_wm[g], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(dead.running_mean[start:start + d], src.running_mean[start:start + d],
+                                   rtol=1e-12, atol=1e-12)
+    assert torch.equal(dead.running_wm[group], fresh.running_wm[group])
+    assert not torch.equal(live.running_wm[group], fresh.running_wm[group])  # that group did move with data

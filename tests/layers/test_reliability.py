@@ -129,14 +129,33 @@ def test_bad_options_are_refused_at_build(build):
         build()
 
 
-@pytest.mark.parametrize('layer', [BatchChannelNorm2d(8, 8, update_rate=0.1), GroupProxyNorm(8, num_groups=8)],
-                         ids=['bcn', 'gnpn'])
-def test_one_value_per_group_names_the_fix(layer):
-    with pytest.raises(ValueError, match=r'num_groups <= 4'):
-        layer(torch.randn(1, 8, 1, 1))
-    assert torch.isfinite(layer(torch.randn(2, 8, 1, 1))).all()  # two values per group: fine
-    wider = type(layer)(8, 4, update_rate=0.1) if isinstance(layer, BatchChannelNorm2d) else GroupProxyNorm(8, 4)
-    assert torch.isfinite(wider(torch.randn(1, 8, 1, 1))).all()  # 2 channels per group at batch 1 on 1x1
+GROUP_LAYERS = {'bcn-estimate': lambda groups: BatchChannelNorm2d(8, groups, update_rate=0.1),
+                'bcn-batch': lambda groups: BatchChannelNorm2d(8, groups, mode='batch'),
+                'gnpn': lambda groups: GroupProxyNorm(8, num_groups=groups)}
+
+
+@pytest.mark.parametrize('make', list(GROUP_LAYERS.values()), ids=list(GROUP_LAYERS))
+@pytest.mark.parametrize('batch', [1, 2, 5])
+def test_one_value_per_group_per_sample_names_the_fix(make, batch):
+    """The channel stage's statistics are per sample: one channel per group on a 1x1 map is one value per
+    group at any batch size (batch >= 2 used to pass and output the bias with a zero gradient)."""
+    if batch == 1 and make is GROUP_LAYERS['bcn-batch']:
+        pytest.skip('batch-mode BCN at batch 1 on a 1x1 map has one value per channel in its batch stage')
+    with pytest.raises(ValueError, match=r'single value per sample.*num_groups <= 4'):
+        make(8)(torch.randn(batch, 8, 1, 1))
+    assert make(8)(torch.randn(0, 8, 1, 1)).shape == (0, 8, 1, 1)  # empty batch (no RoIs): no group to normalize
+    assert torch.isfinite(make(8)(torch.randn(batch, 8, 2, 1))).all()  # two positions per group: fine
+    x = torch.randn(batch, 8, 1, 1, requires_grad=True)
+    y = make(4)(x)  # 2 channels per group on a 1x1 map: fine, and the input gets a gradient
+    (y * torch.randn(y.shape)).sum().backward()
+    assert torch.isfinite(y).all() and x.grad.abs().sum() > 0
+
+
+def test_one_value_per_group_on_feature_inputs():
+    """GN+PN takes (N, C) inputs: one channel per group is one value per group there too."""
+    with pytest.raises(ValueError, match='num_groups <= 4'):
+        GroupProxyNorm(8, num_groups=8)(torch.randn(4, 8))
+    assert torch.isfinite(GroupProxyNorm(8, num_groups=4)(torch.randn(4, 8))).all()
 
 
 # --- estimates stay float32 under model.bfloat16() / half() --------------------------------------------
