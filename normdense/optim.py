@@ -1,11 +1,12 @@
 """mmengine's weight-decay options reach every normdense norm.
 
 mmengine's ``DefaultOptimWrapperConstructor.add_params`` (the constructor every config uses unless it
-names another) applies ``norm_decay_mult`` to the parameters of a norm, and keeps ``bias_decay_mult`` /
-``bias_lr_mult`` off a norm's bias, where ``isinstance(module, (_BatchNorm, _InstanceNorm, GroupNorm,
-LayerNorm))``, names looked up in its module's globals. BCN and GN+PN subclass ``nn.GroupNorm`` and are
-covered; the other layers with affine parameters are plain ``nn.Module`` s (``NORM_CLASSES``), so a
-config with ``norm_decay_mult=0`` would still decay their gamma, beta (and Unitization's alpha).
+names another) applies ``norm_decay_mult`` to every parameter of a norm (for its bias in place of
+``bias_decay_mult``) and keeps ``bias_lr_mult`` off a norm's bias, where ``isinstance(module,
+(_BatchNorm, _InstanceNorm, GroupNorm, LayerNorm))``, names looked up in its module's globals. BCN and
+GN+PN subclass ``nn.GroupNorm`` and are covered; the other layers with affine parameters are plain
+``nn.Module`` s (``NORM_CLASSES``), so a config with ``norm_decay_mult=0`` would still decay their gamma,
+beta (and Unitization's alpha).
 
 Importing this module (``normdense/registry.py`` does) replaces that module's ``_InstanceNorm`` by the
 nested tuple ``(_InstanceNorm, *NORM_CLASSES)``, which ``isinstance`` accepts: those classes then get

@@ -68,7 +68,8 @@ def test_norm_decay_mult_zero_reaches_every_normdense_norm():
         assert lr == LR, name
         assert wd == (0.0 if layer in NORMS else WD), (name, wd)
     # every parameter of the normdense norms: gamma/beta, BCN's batch stage, GN+PN's proxy, Unitization's alpha
-    assert {'unitization.alpha', 'bcn.batch_weight', 'gnpn.proxy_gamma', 'iternorm.weight', 'affine.bias'} <= set(groups)
+    assert {'unitization.alpha', 'bcn.batch_weight', 'gnpn.proxy_gamma', 'iternorm.weight',
+            'affine.bias'} <= set(groups)
 
 
 def test_no_decay_applied_in_a_step():
@@ -92,7 +93,7 @@ def test_no_decay_applied_in_a_step():
 @pytest.mark.parametrize('paramwise_cfg', [dict(bias_decay_mult=0.0), dict(bias_decay_mult=0.0, norm_decay_mult=0.5),
                                            dict(bias_lr_mult=2.0, bias_decay_mult=0.0)])
 def test_bias_options_treat_normdense_biases_as_groupnorms(paramwise_cfg):
-    """bias_decay_mult / bias_lr_mult skip a norm's bias (it gets norm_decay_mult), as for GroupNorm."""
+    """As for GroupNorm's bias: bias_lr_mult skips it, norm_decay_mult (where set) wins over bias_decay_mult."""
     _, groups = groups_of(model(), paramwise_cfg)
     for name in NORMDENSE_NORMS:
         for pname in ('weight', 'bias'):
