@@ -27,14 +27,15 @@ A group whose batch carries no covariance leaves its running mean and whitening 
 (the training output is still the paper's, finite: W X_C with X_C ~ 0). Sigma = C + eps I with the data
 covariance C = X_C X_C^T / m; for C = 0 (a dead feature map, zero padding, a constant group) W is
 eps^{-1/2} I up to T's convergence, and Eq. 8 averages W itself (not Sigma, as BatchNorm averages the
-variance), so a single such batch at momentum 0.1 adds ~0.1 * 316 = 31 to the running matrix and eval
-scales normal inputs ~31x. The criterion is tr(C) <= d * eps (per group, a tensor condition: no host sync):
-the mean channel variance is at most eps, so Sigma is dominated by the regulariser rather than the
-data and W reflects eps, not the features (at tr(C) = d * eps the whitened output's variance is
-already only ~1/2). Features whose variance stays below eps in *every* batch thus keep the initial
-running matrix (identity); rescale them or lower eps. The criterion is per group: a dead channel inside
-a live group is whitened as the paper says (its direction, eigenvalue eps, gets W's largest gain), as
-BatchNorm's running variance tracks a dead channel.
+variance), so a single such batch at momentum 0.1 adds up to 0.1 * eps^{-1/2} = 32 to the running
+matrix's diagonal (24 for d = 64, T = 5) and eval scales normal inputs as much. The criterion is
+tr(C) <= d * eps (per group, a tensor condition: no host sync): the mean channel variance is at most
+eps, so Sigma is dominated by the regulariser rather than the data and W reflects eps, not the
+features (at tr(C) = d * eps the whitened output's variance is already only ~1/2). Features whose
+variance stays below eps in *every* batch thus keep the initial running matrix (identity); rescale them
+or lower eps. The criterion is per group: a dead channel inside a live group is whitened as the paper
+says (its direction, eigenvalue eps, gets W's largest gain), as BatchNorm's running variance tracks a
+dead channel.
 
 Gradients flow by autograd through the T iterations (the paper's Eq. 6-7 manual backward is not needed).
 The whitening runs in float32 (float64 for float64 inputs) with autocast disabled.
