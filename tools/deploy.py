@@ -1,5 +1,6 @@
 """Fold a trained normdense model for inference: build it from CONFIG (through the registry of the
 config's default_scope), load CHECKPOINT, fuse (normdense.deploy.fuse) and save the fused weights to OUT.
+WSConv2d layers fold with the WS formula saved in CHECKPOINT (the trained one), whatever CONFIG says.
 
 Load the result with ``normdense.deploy.load_fused(CONFIG, OUT)`` (it rebuilds the fused structure from
 the config and loads the weights strictly; the file loads with torch.load(weights_only=True)).

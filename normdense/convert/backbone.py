@@ -4,8 +4,9 @@ Three source layouts (``--from``), one module each under ``normdense/convert/sou
 (an mmengine Runner checkpoint of the ``configs/imagenet`` pretraining), ``authors`` (the WS/BCN authors'
 releases) and ``torchvision`` (a BatchNorm ResNet, turned into a BCN/BN + WS starting point).
 
-Output: the bare backbone keys of the target ResNet (no ``backbone.`` prefix) plus a ``meta`` block
-(source, WS formula, norm cfg, the backbone cfg the weights fill, what was dropped and why). The
+Output: the bare backbone keys of the target ResNet (no ``backbone.`` prefix), each WSConv2d's formula and
+eps among them (``<conv>._extra_state``, see :mod:`normdense.layers.ws`), plus a ``meta`` block (source, WS
+formula, norm cfg, the backbone cfg the weights fill, what was dropped and why). The
 conversion is checked against the target backbone built from that cfg: keys the source cannot fill
 (they would stay at their initialization), keys with no place in the target and shape mismatches are
 listed, and :func:`save_backbone_checkpoint` refuses to write such a partial checkpoint unless told to.
@@ -15,6 +16,7 @@ This module is the entry point (:func:`convert_backbone`) and re-exports the pac
 """
 from typing import Optional
 
+from ..layers.ws import EXTRA_STATE_KEY, WSConv2d, decode_ws_state
 from .io import CONVERSION_VERSION, conversion_meta, load_source, save_backbone_checkpoint, split_checkpoint
 from .resnet_keys import ARCH_DEPTHS, infer_layout, infer_widths, sequential_stem
 from .sources import CONVERTERS, detect_source
@@ -29,7 +31,7 @@ __all__ = [
     'NORM_TYPES', 'PartialConversionError', 'SOURCES', 'TARGETS', 'TORCHVISION_EFFECT', 'WS_CHOICES',
     'build_target_backbone', 'check_against_target', 'conversion_meta', 'convert_authors', 'convert_backbone',
     'convert_mmpretrain', 'convert_torchvision', 'detect_source', 'infer_layout', 'infer_widths', 'load_source',
-    'save_backbone_checkpoint', 'sequential_stem', 'split_checkpoint', 'ws_scale'
+    'record_ws_state', 'save_backbone_checkpoint', 'sequential_stem', 'split_checkpoint', 'ws_scale'
 ]
 
 
@@ -49,14 +51,39 @@ def build_target_backbone(spec: BackboneSpec, target: str):
         return MODELS.build(cfg)
 
 
-def check_against_target(sd, spec: BackboneSpec, target: str):
-    """(missing, unexpected, mismatched) of ``sd`` against the target backbone's own state dict."""
-    ref = build_target_backbone(spec, target).state_dict()
+def check_against_target(sd, spec: BackboneSpec, target: str, model=None):
+    """(missing, unexpected, mismatched) of ``sd`` against the target backbone's own state dict (``model``:
+    the target backbone, when already built)."""
+    ref = (model if model is not None else build_target_backbone(spec, target)).state_dict()
     missing = [k for k in ref if k not in sd]
     unexpected = [k for k in sd if k not in ref]
     mismatched = [(k, tuple(sd[k].shape), tuple(ref[k].shape)) for k in sd
                   if k in ref and tuple(sd[k].shape) != tuple(ref[k].shape)]
     return missing, unexpected, mismatched
+
+
+def record_ws_state(conv: Conversion, model) -> None:
+    """Write every WSConv2d's formula and eps (its ``_extra_state``) into the converted weights, so that
+    they travel with them through every later load (fine-tuning, its checkpoints, test, deploy), not only
+    through ``meta['ws_formula']`` and PretrainedBackbone. The values are those of the target backbone
+    built from the conversion's conv_cfg. A source that already carries them (an mmpretrain checkpoint
+    saved by this version) must agree with that choice."""
+    for name, m in model.named_modules():
+        if not isinstance(m, WSConv2d):
+            continue
+        key = f'{name}.{EXTRA_STATE_KEY}'
+        if key not in conv.state_dict:
+            conv.state_dict[key] = m.get_extra_state()
+            conv.created.append((key, f'WS formula {m.formula!r} (eps={m.eps:g}) saved with the conv\'s weights'))
+            continue
+        try:
+            formula, eps = decode_ws_state(conv.state_dict[key])
+        except ValueError as e:
+            raise ConversionError(f'{key}: {e}') from None
+        if (formula, eps) != (m.formula, m.eps):
+            raise ConversionError(f'{key}: the source weights were trained with WS formula {formula!r} '
+                                  f'(eps={eps:g}) but the conversion chose {m.formula!r} (eps={m.eps:g}); '
+                                  f'pass --ws-formula {formula}')
 
 
 def convert_backbone(ckpt, to: str, source: Optional[str] = None, norm: Optional[str] = None,
@@ -95,7 +122,9 @@ def convert_backbone(ckpt, to: str, source: Optional[str] = None, norm: Optional
     spec = conv.spec
     spec.stem_channels, spec.base_channels = infer_widths(conv.state_dict)
     conv.target = to
-    conv.missing, conv.unexpected, conv.mismatched = check_against_target(conv.state_dict, spec, to)
+    model = build_target_backbone(spec, to)
+    record_ws_state(conv, model)
+    conv.missing, conv.unexpected, conv.mismatched = check_against_target(conv.state_dict, spec, to, model)
     if to == 'mmseg' and not spec.deep_stem and not spec.proxy_norm:
         conv.notes.append("plain 7x7 stem: load it with type='ResNet' (deep_stem=False); mmseg's DeepLabV3 configs use "
                      "ResNetV1c, which needs a deep-stem (-v1c) pretraining")

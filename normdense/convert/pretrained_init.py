@@ -7,7 +7,7 @@ from mmengine.model.weight_init import update_init_info
 from mmengine.runner.checkpoint import load_state_dict
 
 from ..checkpoint import check_load, is_local_path, read_checkpoint
-from ..layers.ws import WSConv2d
+from ..layers.ws import EXTRA_STATE_KEY, WSConv2d, decode_ws_state
 
 
 def missing_backbone_message(checkpoint, produced_by='', owner='backbone'):
@@ -52,12 +52,17 @@ class PretrainedBackbone:
     ``https://``, ``open-mmlab://``, ``torchvision://``; downloads are cached under ``$TORCH_HOME``), and
     is read weights-only (:func:`normdense.checkpoint.read_checkpoint`).
 
-    Checkpoints written by ``tools/convert_checkpoint.py`` record in their ``meta`` whether the convs were
-    weight-standardized and with which formula (``meta['conv']``, ``meta['ws_formula']``). The weights are
-    only meaningful under that formula, so every ``WSConv2d`` of the backbone is switched to it (logged when
-    this overrides the config's ``formula``), and loading WS-trained weights into plain convs (or plain
-    weights into WS convs) raises. ``check_conv=False`` skips both. Checkpoints without that record (e.g.
-    published ones) load under the config's ``formula``, which must then be the one they were trained with.
+    The weights are only meaningful under the WS formula they were trained with. Checkpoints written by
+    ``tools/convert_checkpoint.py`` record it twice: per conv in the weights (``<conv>._extra_state``, which
+    ``WSConv2d`` applies on every load, this one included, see :mod:`normdense.layers.ws`) and in their
+    ``meta`` (``meta['conv']``, ``meta['ws_formula']``; files converted before the weights carried it have
+    only this). Every ``WSConv2d`` of the backbone is switched to the recorded formula (one log line when
+    this overrides the config's ``formula``); it is then saved with the model's own checkpoints, so
+    ``tools/test.py``, ``load_from``, ``--resume`` and ``tools/deploy.py`` keep it. Loading WS-trained
+    weights into plain convs (or plain weights into WS convs) raises. ``check_conv=False`` skips the meta
+    and the conv-type check and leaves out saved formulas that have no WSConv2d to go to. Checkpoints
+    without either record (e.g. published ones) load under the config's ``formula``, which must then be the
+    one they were trained with.
 
     Args:
         checkpoint: path or URL of the backbone weights (relative paths are taken from the current
@@ -105,6 +110,9 @@ class PretrainedBackbone:
                       f'({", ".join(dropped)})', logger='current')
         if self.check_conv:
             apply_conv_meta(module, meta, self.checkpoint)
+            check_saved_ws(module, state_dict, self.checkpoint)
+        else:
+            state_dict = drop_saved_ws(module, state_dict, self.checkpoint)
         check_load(module, state_dict, self.checkpoint, allow_partial=not self.strict,
                    hint="set the init_cfg's strict=False")
         load_state_dict(module, state_dict, strict=False, logger='current')
@@ -139,3 +147,40 @@ def apply_conv_meta(module, meta: dict, name: str = 'the checkpoint') -> None:
     if changed:
         print_log(f'{name} was trained with WS formula {formula!r}: the backbone\'s WSConv2d layers use it '
                   f'instead of the configured {changed}', logger='current', level=30)
+
+
+def _saved_ws_keys(module, state_dict):
+    """(keys of saved WS formulas whose module is a WSConv2d, those whose module is not)."""
+    modules = dict(module.named_modules())
+    fits, strays = [], []
+    for k in state_dict:
+        path, _, last = k.rpartition('.')
+        if last == EXTRA_STATE_KEY and path in modules:
+            (fits if isinstance(modules[path], WSConv2d) else strays).append(k)
+    return fits, strays
+
+
+def check_saved_ws(module, state_dict, name='the checkpoint') -> None:
+    """Raise when ``state_dict`` holds WS-trained convs (a saved formula) where ``module`` has plain ones."""
+    _, strays = _saved_ws_keys(module, state_dict)
+    if strays:
+        try:
+            formula = repr(decode_ws_state(state_dict[strays[0]])[0])
+        except ValueError:
+            formula = 'unknown'
+        raise ValueError(
+            f'{name} holds weights of weight-standardized convs (formula {formula}, saved in '
+            f'{strays[0]} and {len(strays) - 1} more) but the backbone has plain convs there: set '
+            f"conv_cfg=dict(type='WSConv2d', formula={formula}) (or init_cfg check_conv=False to load anyway).")
+
+
+def drop_saved_ws(module, state_dict, name='the checkpoint'):
+    """``state_dict`` without the saved WS formulas that have no WSConv2d to go to (``check_conv=False``
+    loads WS-trained weights into plain convs on request), logged."""
+    _, strays = _saved_ws_keys(module, state_dict)
+    if not strays:
+        return state_dict
+    print_log(f'{name}: check_conv=False: left out the WS formula saved for {len(strays)} convs that are plain '
+              f'in this backbone ({strays[0]}, ...)', logger='current', level=30)
+    strays = set(strays)
+    return {k: v for k, v in state_dict.items() if k not in strays}

@@ -3,7 +3,8 @@
 ``fuse(model)`` rewrites an eval-mode model in place so that no normdense layer recomputes anything that
 is constant at inference:
 
-* ``WSConv2d``      -> ``nn.Conv2d`` holding the standardized weight.
+* ``WSConv2d``      -> ``nn.Conv2d`` holding the standardized weight, under the layer's formula and eps,
+  i.e. those loaded with the weights (``_extra_state``), not necessarily the config's.
 * ``EquiConv2d``    -> ``nn.Conv2d`` holding ``s (w + b)`` computed from the running input mean. EquiNorm's
   ``s`` contains ``rho = H_out W_out stride^2 / (H_in W_in)``, which depends on the input size unless
   the conv keeps the size (stride 1, "same" padding) or exactly divides it; a conv whose rho is not

@@ -162,13 +162,27 @@ def test_partial_mmpretrain_conversion_is_refused(toy_imagenet, tmp_path):
 def test_mmpretrain_without_config_needs_ws_choice(toy_imagenet, tmp_path):
     cfg = reduced_cfg('resnet50-v1c_bcn-ws_in1k', toy_imagenet, tmp_path / 'work', max_iters=1)
     ckpt = torch.load(pretrain(cfg))
-    bare = {'state_dict': ckpt['state_dict']}  # a state dict saved without the Runner's meta
+    # a state dict saved without the Runner's meta, and (as before the convs saved their formula) without
+    # the WSConv2d formulas: whether the convs were weight-standardized is unknown
+    bare = {'state_dict': {k: v for k, v in ckpt['state_dict'].items() if not k.endswith('._extra_state')}}
     with pytest.raises(ConversionError, match='--ws-formula'):
         convert_backbone(bare, 'mmseg')
     conv = convert_backbone(bare, 'mmseg', ws_formula='paper')
     assert conv.complete, conv.report()
+    # the formula saved with the weights answers it; a contradicting --ws-formula is refused
+    with_state = {'state_dict': ckpt['state_dict']}
+    assert convert_backbone(with_state, 'mmseg').spec.conv_cfg == dict(type='WSConv2d', formula='paper')
+    with pytest.raises(ConversionError, match="trained with WS formula 'paper'"):
+        convert_backbone(with_state, 'mmseg', ws_formula='var_unbiased')
     assert conv.spec.norm_cfg == dict(type='BCN', num_groups=32)  # groups read from the (G,) weights
     assert conv.backbone_cfg['type'] == 'ResNetV1c'
+    # with the Runner's meta: the saved formula is what the convs computed (a run whose weights were loaded
+    # from another formula switches to it), so it wins over the stored config's, with a note
+    switched = {k: torch.tensor([2.0, 1e-5], dtype=torch.float64) if k.endswith('._extra_state') else v
+                for k, v in ckpt['state_dict'].items()}
+    conv = convert_backbone(dict(ckpt, state_dict=switched), 'mmseg')
+    assert conv.complete and conv.spec.conv_cfg == dict(type='WSConv2d', formula='var_unbiased')
+    assert any("'var_unbiased'" in n and 'stored config' in n for n in conv.notes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -308,6 +322,14 @@ def test_authors_bcn_checkpoint(inner, estimate, tmp_path):
         with torch.no_grad():
             out = backbone(x)[-1]
         torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9)
+    # the formula is in the weights too: a plain strict load_state_dict into a 'paper' backbone computes
+    # the authors' function (no PretrainedBackbone, no meta)
+    sd = torch.load(dst)['state_dict']
+    assert sd['layer1.0.conv1._extra_state'].tolist() == [2.0, 1e-5]
+    backbone = build_backbone('mmdet', dict(conv.backbone_cfg, conv_cfg=dict(type='WSConv2d')), dtype=torch.float64)
+    backbone.load_state_dict(sd, strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(backbone(x)[-1], expected, rtol=1e-9, atol=1e-9)
 
 
 def _saved(conv, path):

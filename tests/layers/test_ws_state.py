@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import normdense  # noqa: F401  (registers WSConv2d)
-from normdense.layers.ws import WS_FORMULAS, WSConv2d, decode_ws_state, ws_state
+from normdense.layers.ws import WS_FORMULAS, WSConv2d
 from tests.layers.test_ws import ws_transcription
 
 FORMULAS = list(WS_FORMULAS)
@@ -49,6 +49,7 @@ def _model(formula, n=6):
 @pytest.mark.parametrize('formula', FORMULAS)
 @pytest.mark.parametrize('eps', [1e-5, 1e-2])
 def test_state_dict_round_trip_carries_formula_and_eps(formula, eps):
+    from normdense.layers.ws import decode_ws_state
     src = _conv(formula, eps)
     sd = src.state_dict()
     state = sd['_extra_state']
@@ -151,6 +152,7 @@ def test_state_survives_state_dict_tools(tmp_path, warnings_logged):
 
 
 def test_malformed_state_is_a_clear_error():
+    from normdense.layers.ws import ws_state
     conv = WSConv2d(3, 5, 3)
     sd = conv.state_dict()
     for bad, match in ((torch.tensor([3.0, 1e-5]), 'formula index'), (torch.tensor([0.5, 1e-5]), 'formula index'),

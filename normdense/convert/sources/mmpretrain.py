@@ -81,6 +81,40 @@ def _ws_choice(conv_cfg: Optional[dict]) -> Optional[str]:
 
 
 
+def _saved_ws(sd) -> Optional[Tuple[str, float]]:
+    """The (formula, eps) the convs saved with their weights (``<conv>._extra_state``), if any."""
+    from ...layers.ws import EXTRA_STATE_KEY, decode_ws_state
+    found = {}
+    for k, v in sd.items():
+        if k.rsplit('.', 1)[-1] == EXTRA_STATE_KEY:
+            try:
+                found.setdefault(decode_ws_state(v), k)
+            except ValueError as e:
+                raise ConversionError(f'{k}: {e}') from None
+    if len(found) > 1:
+        raise ConversionError('the convs were trained with different WS formulas/eps ('
+                              + ', '.join(f'{f!r} eps={e:g} at {k}' for (f, e), k in found.items())
+                              + '): a ResNet backbone cfg has one conv_cfg')
+    return next(iter(found), None)
+
+
+def _follow_saved_ws(conv_cfg: dict, saved, ws_formula) -> Tuple[dict, List[str]]:
+    """conv_cfg made to match the formula/eps saved with the weights (they are what was trained: a run that
+    loaded weights of another formula switched to it, whatever its config said)."""
+    formula, eps = saved
+    configured = (conv_cfg.get('formula', 'paper'), conv_cfg.get('eps', 1e-5))
+    if (formula, eps) == configured:
+        return conv_cfg, []
+    if ws_formula is not None and ws_formula != formula:
+        raise ConversionError(f'--ws-formula {ws_formula} contradicts the weights, which were trained with WS '
+                              f'formula {formula!r} (saved with them)')
+    conv_cfg = dict(conv_cfg, formula=formula)
+    if eps != 1e-5 or 'eps' in conv_cfg:
+        conv_cfg['eps'] = eps
+    return conv_cfg, [f'the weights were trained with WS formula {formula!r} (eps={eps:g}, saved with them), not '
+                      f'the {configured[0]!r} (eps={configured[1]:g}) of the stored config: converted with theirs']
+
+
 def convert_mmpretrain(sd, meta, norm=None, ws_formula=None, num_groups=None):
     """An mmpretrain classifier checkpoint (split into state dict and meta) -> its backbone."""
     out, dropped, notes = OrderedDict(), [], []
@@ -96,6 +130,7 @@ def convert_mmpretrain(sd, meta, norm=None, ws_formula=None, num_groups=None):
         notes.append("mmpretrain ConvModule deep stem (stem.i.conv / stem.i.<norm>) renamed to the Sequential "
                      "stem of mmdet/mmseg (stem.3i / stem.3i+1)")
     depth, deep_stem, avg_down = infer_layout(out)
+    saved_ws = _saved_ws(out)
     cfg = _backbone_cfg_from_meta(meta)
     if cfg is not None:
         if cfg.get('depth', depth) != depth:
@@ -105,6 +140,8 @@ def convert_mmpretrain(sd, meta, norm=None, ws_formula=None, num_groups=None):
         plain = copy.deepcopy(cfg.get('plain_norm_cfg')) if proxy else None
         conv_cfg = copy.deepcopy(cfg.get('conv_cfg'))
         recorded_ws = _ws_choice(conv_cfg)
+        if recorded_ws is not None and saved_ws is not None:
+            recorded_ws = saved_ws[0]  # what the convs computed, saved with the weights
         if ws_formula is not None and (ws_formula if ws_formula != 'none' else None) != recorded_ws:
             raise ConversionError(f'--ws-formula {ws_formula} contradicts the checkpoint\'s config (conv_cfg='
                                   f'{conv_cfg}): the weights were trained with '
@@ -114,12 +151,17 @@ def convert_mmpretrain(sd, meta, norm=None, ws_formula=None, num_groups=None):
         norm_cfg, proxy, more = _norm_cfg_from_keys(out, num_groups)
         notes += more
         plain = None
+        if ws_formula is None and saved_ws is not None:
+            ws_formula = saved_ws[0]  # the convs saved their formula with the weights
         if ws_formula is None:
             raise ConversionError('the checkpoint carries no training config (meta.cfg), so whether its convs '
                                   'were weight-standardized is unknown: pass --ws-formula {%s}'
                                   % ','.join(WS_CHOICES))
         conv_cfg = None if ws_formula == 'none' else dict(type='WSConv2d', formula=ws_formula)
         source_of_cfg = 'the checkpoint keys and command-line options (no config in the checkpoint)'
+    if saved_ws is not None and conv_cfg:
+        conv_cfg, note = _follow_saved_ws(conv_cfg, saved_ws, ws_formula)
+        notes += note
     if norm is not None and NORM_TYPES[norm] != norm_cfg.get('type'):
         raise ConversionError(f'--norm {norm} contradicts the checkpoint, which has {norm_cfg.get("type")} layers')
     if num_groups is not None and 'num_groups' in norm_cfg and norm_cfg['num_groups'] != num_groups:
