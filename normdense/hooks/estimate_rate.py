@@ -1,7 +1,7 @@
 """Delivers Algorithm 1's update rate r (= the learning rate) to estimate-mode layers."""
 from mmengine.hooks import Hook
 
-from ..layers._estimate import EstimateRateMixin, check_rate
+from ..layers._estimate import EstimateRateMixin, check_rate, mark_iteration
 
 
 class EstimateRateHook(Hook):
@@ -46,6 +46,7 @@ class EstimateRateHook(Hook):
             runner.logger.info(f'EstimateRateHook: r = {self.rate_scale} x lr for {len(self._targets)} layers')
 
     def before_train_iter(self, runner, batch_idx, data_batch=None):
+        mark_iteration()  # estimate-mode layers move once per iteration, fixed-rate ones included
         groups = runner.optim_wrapper.optimizer.param_groups
         rates = {}
         for module, group in self._targets:

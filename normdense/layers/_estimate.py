@@ -6,6 +6,10 @@ One place holds the update (:func:`update_estimates_`), the rate state and its r
 (:class:`EstimateRateMixin`), and the loop-side setter (:func:`set_update_rate`); the hook that feeds r
 from the learning rate (``normdense.hooks.estimate_rate.EstimateRateHook``) dispatches on the mixin.
 
+The estimates move once per training iteration, however often a layer is called in it (a head shared over
+FPN levels, an activation checkpoint's recomputation in backward): :meth:`EstimateRateMixin.
+_estimates_for_call` says how the calls of an iteration combine, :func:`mark_iteration` what ends one.
+
 r must lie in [0, 1]: each step moves an estimate by ``r * (batch moment - estimate)``, so r > 1
 overshoots and the variance estimate can turn negative (NaN in the next normalization). r = 0 freezes the
 estimates.
@@ -42,7 +46,8 @@ def check_rate(rate, who: str = 'update rate r') -> float:
 
 def update_estimates_(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, rate: float,
                       sync: bool = True) -> None:
-    """Steps 1-4 of Algorithm 1, in place, outside autograd.
+    """Steps 1-4 of Algorithm 1 as one stateless update of the buffers, in place, outside autograd (the
+    layers go through :class:`EstimateRateMixin`, which moves them once per iteration).
 
     The variance is taken around the current estimate, which equals the batch variance plus the squared
     distance of the batch mean from the estimate. With ``sync`` the per-channel sums are all-reduced so
@@ -50,54 +55,113 @@ def update_estimates_(x: torch.Tensor, running_mean: torch.Tensor, running_var: 
     no samples (a RoI head that got no RoIs) still joins the all-reduce, with a count of 0.
     """
     with torch.no_grad():
+        mean_b, second, count = local_moments(x, running_mean)
+        sums = _pack(mean_b, second, count)
+        if sync and world_size() > 1:
+            dist.all_reduce(sums)
+        _write(running_mean, running_var, *_moved(running_mean.to(sums.dtype), running_var.to(sums.dtype), sums,
+                                                   rate))
+
+
+def local_moments(x: torch.Tensor, base_mean: torch.Tensor):
+    """(per-channel mean of x, mean of (x - base_mean)^2, values per channel) in float32 for half inputs.
+
+    Taken on d = x - base_mean (step 2's second moment is around the estimate): no E[x^2] - E[x]^2
+    cancellation when a channel's mean is large against its spread."""
+    with torch.no_grad():
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         channels = xf.shape[1]
         count = xf.numel() // channels if channels else 0
-        mu_hat = running_mean.to(xf.dtype)
-        if count:
-            # Two plain reductions (torch.var_mean's Welford reduction over N, H, W is ~20x slower on CPU).
-            # E[(x - mu_hat)^2] = E[x^2] - 2 mu_hat E[x] + mu_hat^2, combined in float64.
-            dims = [d for d in range(xf.dim()) if d != 1]
-            mean_b = xf.mean(dims)
-            sq = (xf * xf).mean(dims).double()
-            mu64 = mu_hat.double()
-            second = (sq - 2 * mu64 * mean_b.double() + mu64 * mu64).clamp_(min=0).to(xf.dtype)
-        else:  # e.g. a RoI head that got no RoIs: contributes nothing (but still joins the all-reduce)
-            mean_b = second = xf.new_zeros(channels)
-        _update(mean_b, second, count, running_mean, running_var, rate, sync)
+        if not count:  # e.g. a RoI head that got no RoIs: contributes nothing (but joins the all-reduce)
+            zeros = xf.new_zeros(channels)
+            return zeros, zeros, 0
+        dims = [d for d in range(xf.dim()) if d != 1]
+        d = xf - base_mean.to(xf.dtype).view((1, -1) + (1, ) * (xf.dim() - 2))
+        return d.mean(dims) + base_mean.to(xf.dtype), d.square_().mean(dims), count
 
 
-def update_estimates_from_moments_(m: torch.Tensor, v: torch.Tensor, positions: int, running_mean: torch.Tensor,
-                                   running_var: torch.Tensor, rate: float, sync: bool = True) -> None:
-    """:func:`update_estimates_` from the per-(sample, channel) mean ``m`` and biased variance ``v`` (N, C)
-    over ``positions`` values each (the fused layers have them already): the second moment around the
+def moments_around(m: torch.Tensor, v: torch.Tensor, positions: int, base_mean: torch.Tensor):
+    """:func:`local_moments` from the per-(sample, channel) mean ``m`` and biased variance ``v`` (N, C) over
+    ``positions`` values each (the fused layers have them already): the second moment around the
     estimate is the mean over samples of v + (m - mu_hat)^2."""
     with torch.no_grad():
         count = m.shape[0] * positions
-        mu_hat = running_mean.to(m.dtype)
-        if count:
-            mean_b = m.mean(0)
-            second = (v + (m - mu_hat).square()).mean(0)
-        else:
-            mean_b = second = m.new_zeros(m.shape[1])
-        _update(mean_b, second, count, running_mean, running_var, rate, sync)
+        if not count:
+            zeros = m.new_zeros(m.shape[1])
+            return zeros, zeros, 0
+        return m.mean(0), (v + (m - base_mean.to(m.dtype)).square()).mean(0), count
 
 
-def _update(mean_b, second, count, running_mean, running_var, rate, sync):
-    """Steps 3-4 from this process's moments (all-reduced with ``sync``), in place."""
-    channels = mean_b.shape[0]
-    mu_hat = running_mean.to(mean_b.dtype)
+def _pack(mean_b, second, count):
     # new_full, not new_tensor: a tensor from Python data is a host-to-device copy (a sync on CUDA)
-    sums = torch.cat([mean_b * count, second * count, mean_b.new_full((1, ), count)])
-    if sync and world_size() > 1:
-        dist.all_reduce(sums)
+    return torch.cat([mean_b * count, second * count, mean_b.new_full((1, ), count)])
+
+
+def _moved(base_mean, base_var, sums, rate):
+    """Steps 3-4: the estimates moved by r towards the moments that ``sums`` (from :func:`_pack`) hold."""
+    channels = base_mean.shape[0]
     total = sums[-1]
     # no samples anywhere: a zero rate instead of `if total == 0: return` (that reads the value: a sync)
-    rate = (total > 0).to(mean_b.dtype) * rate
+    rate = (total > 0).to(sums.dtype) * rate
     total = total.clamp(min=1)
     mean_b, second = sums[:channels] / total, sums[channels:2 * channels] / total
-    running_mean.add_((rate * (mean_b - mu_hat)).to(running_mean.dtype))
-    running_var.add_((rate * (second - running_var.to(mean_b.dtype))).to(running_var.dtype))
+    return base_mean + rate * (mean_b - base_mean), base_var + rate * (second - base_var)
+
+
+def _write(running_mean, running_var, mean, var):
+    running_mean.copy_(mean)
+    running_var.copy_(var)
+
+
+# --- once per iteration ---------------------------------------------------------------------------------
+# A training iteration, for the estimates, ends when gradients have flowed back through any estimate-mode
+# layer, or when EstimateRateHook / set_update_rate / mark_iteration marks a new one; both bump this token.
+_TOKEN = [0]
+
+
+def mark_iteration() -> None:
+    """Start a new training iteration for every estimate-mode layer (their next training call opens it).
+    ``EstimateRateHook`` and :func:`set_update_rate` call it; so does a backward through any such layer."""
+    _TOKEN[0] += 1
+
+
+def _mark_on_backward(grad):
+    mark_iteration()
+
+
+def watch_backward(y: torch.Tensor) -> torch.Tensor:
+    """``y`` (a training output of an estimate-mode layer), marked so that a backward through it ends the
+    iteration (:func:`mark_iteration`)."""
+    if y.requires_grad:
+        y.register_hook(_mark_on_backward)
+    return y
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread: a forward then is an activation
+    checkpoint's recomputation (torch.utils.checkpoint, both modes; mmdet/mmseg ``with_cp=True``)."""
+    task = getattr(torch._C, '_current_graph_task_id', None)
+    return task is not None and task() != -1
+
+
+class _Iteration:
+    """One training iteration of one layer: the estimates it started from, the rate, the summed moments of
+    its calls so far, and (with sync) each call's local and all-reduced sums for the recomputation."""
+
+    def __init__(self, token, mean, var):
+        self.token, self.mean, self.var = token, mean, var
+        self.rate = None
+        self.total = None
+        self.local, self.synced = [], []
+
+    def synced_sums(self, local):
+        """The all-reduced sums of the forward call whose local sums ``local`` are (a recomputation repeats
+        them bit for bit): found on the device, without a collective or a host sync."""
+        if not self.local:
+            raise RuntimeError('an estimate-mode layer is recomputed in backward but was not called in this '
+                               "iteration's forward")
+        index = (torch.stack(self.local) - local).abs().sum(1).argmin()
+        return torch.stack(self.synced).index_select(0, index.view(1))[0]
 
 
 class EstimateRateMixin:
@@ -135,7 +199,69 @@ class EstimateRateMixin:
                                f"its estimates would never move: {RATE_HINT}")
         return self.current_rate
 
+    # --- the estimates, moved once per training iteration ------------------------------------------------
+    def estimates_from_input(self, x: torch.Tensor):
+        """This training call's estimates (mean, var) from its input x (N, C, ...); see
+        :meth:`_estimates_for_call`."""
+        st = self._open_iteration()
+        return self._estimates_for_call(st, *local_moments(x, st.mean))
+
+    def estimates_from_moments(self, m: torch.Tensor, v: torch.Tensor, positions: int):
+        """As :meth:`estimates_from_input`, from the per-(n, c) moments the fused path has already."""
+        st = self._open_iteration()
+        return self._estimates_for_call(st, *moments_around(m, v, positions, st.mean))
+
+    def _open_iteration(self) -> _Iteration:
+        st = self.__dict__.get('_iteration')
+        if in_backward():  # a recomputation: the forward's iteration
+            if st is None:
+                raise RuntimeError(f'{type(self).__name__} is recomputed in backward but was not called in '
+                                   "this iteration's forward")
+            return st
+        if st is None or st.token != _TOKEN[0]:
+            st = _Iteration(_TOKEN[0], self.running_mean.detach().clone(), self.running_var.detach().clone())
+            self.__dict__['_iteration'] = st
+            if isinstance(getattr(self, 'num_batches_tracked', None), torch.Tensor):
+                self.num_batches_tracked.add_(1)  # iterations, not calls
+        return st
+
+    def _estimates_for_call(self, st: _Iteration, mean_b, second, count):
+        """Algorithm 1 with an iteration of several calls (a head shared over FPN levels, activation
+        checkpointing's recomputation).
+
+        A call normalizes with the iteration's starting estimates moved by r towards *its own* moments
+        (steps 3-4 as if it were the iteration's only call: exactly Algorithm 1 for one call, and the same
+        for every call order); the buffers then hold the starting estimates moved by r towards the moments
+        of all the iteration's calls together (one move of r per iteration). A recomputation in backward
+        returns the forward call's values bit for bit and changes nothing: no update, no collective (with
+        ``sync_stats`` it finds the forward's all-reduced moments among those kept for this iteration)."""
+        with torch.no_grad():
+            base_mean, base_var = st.mean.to(mean_b.dtype), st.var.to(mean_b.dtype)
+            local = _pack(mean_b, second, count)
+            backward = in_backward()
+            if st.rate is None or not backward:
+                st.rate = self._rate() if st.rate is None else st.rate
+            synced = local
+            if self.sync_stats and world_size() > 1:
+                if backward:
+                    synced = st.synced_sums(local)
+                else:
+                    synced = local.clone()
+                    dist.all_reduce(synced)
+                    st.local.append(local)
+                    st.synced.append(synced)
+            if not backward:
+                st.total = synced if st.total is None else st.total + synced
+                _write(self.running_mean, self.running_var,
+                       *_moved(base_mean, base_var, st.total, st.rate))
+            return _moved(base_mean, base_var, synced, st.rate)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.__dict__.pop('_iteration', None)  # new estimates: the next call starts a new iteration from them
+        return super()._load_from_state_dict(*args, **kwargs)
+
     def _apply(self, fn, *args, **kwargs):
+        self.__dict__.pop('_iteration', None)  # its tensors stay where they were: start anew from the buffers
         if getattr(self, 'mode', None) != 'estimate':
             return super()._apply(fn, *args, **kwargs)
         before = {n: self._buffers[n] for n in self._ESTIMATE_BUFFERS if self._buffers.get(n) is not None}
@@ -152,6 +278,7 @@ def set_update_rate(module: nn.Module, rate: float) -> int:
     loops without mmengine; call it with the current learning rate before each step). Returns the count.
     ``rate`` must lie in [0, 1] (``ValueError`` otherwise)."""
     rate = check_rate(rate)
+    mark_iteration()
     n = 0
     for m in module.modules():
         if isinstance(m, EstimateRateMixin) and m.needs_update_rate:

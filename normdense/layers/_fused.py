@@ -267,9 +267,20 @@ def stat_norm(x: torch.Tensor, coeffs_fn: Callable, params: Sequence, act: Optio
     if not needs_grad:  # eval / no_grad: no graph to keep
         with torch.no_grad():
             y = kernels.forward(x3.to(m.dtype), m, coeffs_fn(m, v, *params), normalized).to(out_dtype)
+        return _reshaped_base(y, shape)
     else:
         y = _StatNorm.apply(x3, m, v, normalized, coeffs_fn, kernels, out_dtype, recompute_coeffs, *params)
     return y.view(shape)
+
+
+def _reshaped_base(y: torch.Tensor, shape) -> torch.Tensor:
+    """The fresh tensor y in ``shape`` as a tensor of its own, not a view: under no_grad, e.g. the forward of
+    a reentrant activation checkpoint (mmdet's ``with_cp``), a view returned out of the checkpoint's Function
+    could not be modified in place (a residual ``+=``, a following ReLU(inplace))."""
+    if not y.is_contiguous():
+        return y.reshape(shape)
+    strides = torch.empty(0).new_empty(shape, device='meta').stride()
+    return y.new_empty(0).set_(y.untyped_storage(), y.storage_offset(), shape, strides)
 
 
 def compiled_kernels(act):

@@ -19,7 +19,11 @@ running statistics with ``momentum`` for eval), optionally synchronized across p
     mu_hat_c     += r (mu_dot_c - mu_hat_c)                           (step 3)
     sigma_hat2_c += r (sigma_dot2_c - sigma_hat2_c)                   (step 4)
 
-and then normalizes with the updated estimates (steps 5-8); eval uses the same estimates. The paper sets
+and then normalizes with the updated estimates (steps 5-8); eval uses the same estimates. The update happens
+once per training iteration: a layer called several times in one (a head shared over FPN levels) normalizes
+each call with the iteration's starting estimates moved towards that call's moments and moves its buffers
+once, towards the moments of all calls; an activation checkpoint's recomputation in backward repeats the
+forward's values and updates nothing (``normdense/layers/_estimate.py``). The paper sets
 r to the learning rate: ``EstimateRateHook`` (alias ``BCNRateHook``; normdense.hooks) copies the optimizer's
 current lr into every estimate-mode layer before each iteration, or ``update_rate`` fixes r; r must lie in
 [0, 1] wherever it is set (``normdense/layers/_estimate.py``, shared with Unitization). A training forward with neither
@@ -57,7 +61,7 @@ import torch.nn.functional as F
 from ._checks import check_group_values
 # update_estimates_ and set_update_rate keep their old import path (normdense.layers.bcn)
 from ._estimate import EstimateRateMixin, check_rate, set_update_rate, update_estimates_  # noqa: F401
-from ._estimate import update_estimates_from_moments_
+from ._estimate import in_backward, watch_backward
 from ._estimate import world_size as _world_size
 from ._eval_maps import standardization_affine
 from ._fused import batch_moments, group_moments, moments_normalized, stat_norm, warn_recompute_deprecated
@@ -69,16 +73,21 @@ _REFERENCE_DTYPES = {}  # (device type, input dtype, batch statistics, autocast 
 
 
 def _synced_batch_moments(x: torch.Tensor):
-    """Differentiable per-channel mean and biased variance over every process's batch (batch mode)."""
+    """Differentiable per-channel mean and biased variance over every process's batch (batch mode).
+
+    In float32 for half inputs (a count of 121600 values is inf in fp16, and half sums lose the mean), and
+    in two passes: the squares are summed around the global mean, so there is no E[x^2] - E[x]^2
+    cancellation (NaN statistics in fp16, a wrong mean in bf16), at the price of a second all-reduce."""
     from torch.distributed.nn.functional import all_reduce
-    dims = [0, 2, 3]
-    count = x.new_full((1, ), x.numel() // x.shape[1])  # not new_tensor: no host-to-device copy
-    packed = torch.cat([x.sum(dims), (x * x).sum(dims), count])
-    packed = all_reduce(packed)
-    total = packed[-1]
-    s, ss = packed[:-1].chunk(2)
-    mean = s / total.clamp(min=1)  # every rank empty: 0, not 0/0 (the caller leaves the running stats)
-    return mean, ss / total.clamp(min=1) - mean * mean, total
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    with torch.autocast(x.device.type, enabled=False):
+        dims = [0, 2, 3]
+        count = xf.new_full((1, ), xf.numel() // xf.shape[1])  # not new_tensor: no host-to-device copy
+        packed = all_reduce(torch.cat([xf.sum(dims), count]))
+        total = packed[-1]
+        mean = packed[:-1] / total.clamp(min=1)  # every rank empty: 0, not 0/0 (running stats stay)
+        sq = all_reduce((xf - mean.view(1, -1, 1, 1)).square().sum(dims))
+        return mean, sq / total.clamp(min=1), total
 
 
 class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
@@ -140,24 +149,25 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
 
     def _batch_stage(self, x):
         if self.mode == 'estimate':
-            if self.training:
-                update_estimates_(x, self.running_mean, self.running_var, self._rate(), self.sync_stats)
-            # Copies: the graph must not hold the buffers that the next forward updates in place (a layer
-            # shared across calls, e.g. a head applied per level, forwards twice before backward).
-            mean, var = self.running_mean.clone(), self.running_var.clone()
+            # Copies in eval: the graph must not hold the buffers that a later call updates in place
+            mean, var = self.estimates_from_input(x) if self.training else (self.running_mean.clone(),
+                                                                            self.running_var.clone())
         elif self.training and self.sync_stats and _world_size() > 1:
             mean, var = self._synced_stats(x)
         elif x.numel() == 0:  # no samples (e.g. zero RoIs): nothing to normalize or to track
             mean, var = self.running_mean, self.running_var
         else:
-            return F.batch_norm(x, self.running_mean, self.running_var, self.batch_weight, self.batch_bias,
-                                self.training, self.momentum, self.eps)
+            # a checkpoint's recomputation in backward tracks nothing: the forward did
+            track = not (self.training and in_backward())
+            return F.batch_norm(x, self.running_mean if track else None, self.running_var if track else None,
+                                self.batch_weight, self.batch_bias, self.training, self.momentum, self.eps)
         return self._affine(x, mean, var, self.batch_weight, self.batch_bias)
 
     def _synced_stats(self, x):
         """Batch mode across processes: differentiable synced moments, running statistics updated."""
         mean, var, count = _synced_batch_moments(x)
-        self._track(mean.detach(), var.detach(), count)
+        if not in_backward():
+            self._track(mean.detach(), var.detach(), count)
         return mean, var
 
     def _affine(self, x, mean, var, batch_weight, batch_bias):
@@ -179,10 +189,12 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
             raise ValueError(f'BatchChannelNorm2d expects (N, C, H, W) input, got shape {tuple(x.shape)}')
         check_group_values(x, self.num_channels, self.num_groups, 'BatchChannelNorm2d')
         if self.fused and self._fusable(x):
-            return self._forward_fused(x)
-        if recompute_active(self, x):
-            return self._forward_recompute(x)
-        return self._channel_stage(self._batch_stage(x), self.weight, self.bias)
+            y = self._forward_fused(x)
+        elif recompute_active(self, x):
+            y = self._forward_recompute(x)
+        else:
+            y = self._channel_stage(self._batch_stage(x), self.weight, self.bias)
+        return watch_backward(y) if self.mode == 'estimate' and self.training else y
 
     def _fusable(self, x) -> bool:
         # no positions or samples, or batch statistics of one value: the reference path has the answer
@@ -198,15 +210,16 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
         params = (self.batch_weight, self.batch_bias, self.weight, self.bias)
         if self.mode == 'estimate' or not self.training:
             if self.mode == 'estimate' and self.training:
-                update_estimates_from_moments_(m, v, x3.shape[2], self.running_mean, self.running_var,
-                                               self._rate(), self.sync_stats)
-            mean, var = self.running_mean.clone(), self.running_var.clone()  # constants of this call
-            coeffs = functools.partial(self._coeffs, fixed=(mean, var))
+                fixed = self.estimates_from_moments(m, v, x3.shape[2])
+            else:
+                fixed = (self.running_mean.clone(), self.running_var.clone())  # constants of this call
+            coeffs = functools.partial(self._coeffs, fixed=fixed)
         elif self.sync_stats and _world_size() > 1:
             coeffs = functools.partial(self._coeffs, synced=True, positions=x3.shape[2])
         else:
             mean, var = batch_moments(m, v)
-            self._track(mean, var, m.new_full((), x3.shape[0] * x3.shape[2]))
+            if not in_backward():  # a checkpoint's recomputation tracks nothing: the forward did
+                self._track(mean, var, m.new_full((), x3.shape[0] * x3.shape[2]))
             coeffs = functools.partial(self._coeffs, positions=x3.shape[2])
         out_dtype = self._reference_dtype(x, batch_stats=self.mode == 'batch' and self.training and
                                           coeffs.keywords.get('synced') is None)
@@ -238,7 +251,8 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
             mean, var = (t.to(cd) for t in fixed)
         elif synced:
             mean, var, count = self._synced_moments(m, v, positions)
-            self._track(mean.detach(), var.detach(), count)
+            if not in_backward():
+                self._track(mean.detach(), var.detach(), count)
         else:
             mean, var = batch_moments(m, v)
         a = batch_weight.to(cd) * torch.rsqrt(var + self.eps)
@@ -256,14 +270,15 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
         return scale * a, scale * (um - gmean) + b
 
     def _synced_moments(self, m, v, positions):
-        """Batch mode across processes: the differentiable batch moments over every process's samples."""
+        """Batch mode across processes: the differentiable batch moments over every process's samples, in
+        two all-reduces (the squares around the global mean: no E[x^2] - E[x]^2 cancellation)."""
         from torch.distributed.nn.functional import all_reduce
         count = m.new_full((1, ), m.shape[0] * positions)
-        packed = all_reduce(torch.cat([m.sum(0) * positions, (v + m * m).sum(0) * positions, count]))
+        packed = all_reduce(torch.cat([m.sum(0) * positions, count]))
         total = packed[-1]
-        s, ss = packed[:-1].chunk(2)
-        mean = s / total.clamp(min=1)
-        return mean, ss / total.clamp(min=1) - mean * mean, total
+        mean = packed[:-1] / total.clamp(min=1)
+        sq = all_reduce((v + (m - mean).square()).sum(0) * positions)
+        return mean, sq / total.clamp(min=1), total
 
     def _track(self, mean, var, count):
         """Batch mode: running statistics with the unbiased variance (as F.batch_norm), once per forward."""
@@ -279,9 +294,8 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
         forward (e.g. under torch.func.functional_call)."""
         params = (self.batch_weight, self.batch_bias, self.weight, self.bias)
         if self.mode == 'estimate':
-            # updated once, here; the checkpointed part gets copies of the values used now
-            update_estimates_(x, self.running_mean, self.running_var, self._rate(), self.sync_stats)
-            stats = (self.running_mean.clone(), self.running_var.clone())
+            # updated once, here; the checkpointed part gets this call's values
+            stats = self.estimates_from_input(x)
         elif self.sync_stats and _world_size() > 1:
             # the collective runs once, outside the checkpoint (never again in backward); the synced
             # moments enter the checkpointed part as (differentiable, channel-sized) inputs

@@ -29,7 +29,8 @@ Statistics of stage 1:
 * ``mode='estimate'`` (OUR extension, not in the paper): stage 1 normalizes with BCN-style estimates
   mu_hat, sigma_hat^2 (init 0 and 1, Algorithm 1 of the WS/BCN paper) that the loss does not train. Each
   training forward first moves them with rate r (``normdense.layers._estimate.update_estimates_``), then
-  normalizes with them; eval uses them unchanged. This removes the batch dependence of stage 1 so the
+  normalizes with them (once per training iteration, as BCN: a shared layer's calls and an activation
+  checkpoint's recomputation do not move them again); eval uses them unchanged. This removes the batch dependence of stage 1 so the
   layer trains at batch size 1 on 1x1 maps (stage 2 is per sample anyway). r comes from ``EstimateRateHook``
   (alias ``BCNRateHook``; the optimizer's current lr, as BCN) or a fixed ``update_rate``, in [0, 1]; a
   training forward with neither raises ``RuntimeError``. The estimates live in the
@@ -58,7 +59,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ._estimate import EstimateRateMixin, update_estimates_, update_estimates_from_moments_
+from ._estimate import EstimateRateMixin, in_backward, watch_backward
 from ._eval_maps import standardization_affine
 from ._fused import batch_moments, moments_normalized, stat_norm, warn_recompute_deprecated
 from ._recompute import checkpoint_once, recompute_active
@@ -163,11 +164,10 @@ class Unitization2d(EstimateRateMixin, nn.Module):
         training = self.training if training is None else training
         dims = [d for d in range(x.dim()) if d != 1]
         if self.mode == 'estimate':
-            if training and update:
-                update_estimates_(x, self.running_mean, self.running_var, self._rate(), self.sync_stats)
-                self.num_batches_tracked.add_(1)
             # Constants for autograd: the estimates are not trained by the loss (WS/BCN Algorithm 1).
-            return self.running_mean.to(x.dtype), self.running_var.to(x.dtype)
+            mean, var = self.estimates_from_input(x) if training and update else (self.running_mean,
+                                                                                   self.running_var)
+            return mean.to(x.dtype), var.to(x.dtype)
         if not training:
             return self.running_mean.to(x.dtype), self.running_var.to(x.dtype)
         count = x.numel() // x.shape[1]
@@ -177,7 +177,7 @@ class Unitization2d(EstimateRateMixin, nn.Module):
                 f"statistics, got input of shape {tuple(x.shape)}; use mode='estimate' for batch size 1 "
                 f"on 1x1 maps")
         var, mean = torch.var_mean(x, dim=dims, correction=0)
-        if update:
+        if update and not in_backward():  # a checkpoint's recomputation tracks nothing: the forward did
             self._track(mean.detach(), var.detach(), count)
         return mean, var * self._var_factor(count)
 
@@ -194,6 +194,10 @@ class Unitization2d(EstimateRateMixin, nn.Module):
         if x.dim() < 2 or x.shape[1] != self.num_features:
             raise ValueError(f'Unitization2d({self.num_features}) expects (N, {self.num_features}, ...) input, '
                              f'got shape {tuple(x.shape)}')
+        y = self._forward(x)
+        return watch_backward(y) if self.mode == 'estimate' and self.training else y
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == 0:
             # mmdet's RoI heads can see zero RoIs: no statistics to take (they would be NaN and poison
             # the running buffers); keep the parameters in the graph for DDP. Estimate mode still joins
@@ -217,11 +221,10 @@ class Unitization2d(EstimateRateMixin, nn.Module):
         fixed = None
         if self.mode == 'estimate' or not self.training:
             if self.mode == 'estimate' and self.training:
-                update_estimates_from_moments_(m, v, positions, self.running_mean, self.running_var, self._rate(),
-                                               self.sync_stats)
-                self.num_batches_tracked.add_(1)
-            fixed = (self.running_mean.clone(), self.running_var.clone())  # constants of this call
-        else:
+                fixed = self.estimates_from_moments(m, v, positions)
+            else:
+                fixed = (self.running_mean.clone(), self.running_var.clone())  # constants of this call
+        elif not in_backward():  # a checkpoint's recomputation tracks nothing: the forward did
             self._track(*batch_moments(m, v), m.shape[0] * positions)
         coeffs = functools.partial(self._coeffs, fixed=fixed, positions=positions)
         return stat_norm(x, coeffs, (self.alpha, self.weight, self.bias), stats=(m, v, normalized),

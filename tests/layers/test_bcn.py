@@ -106,13 +106,34 @@ def test_eval_uses_estimates_without_updating():
     assert not torch.allclose(y1, y2)
 
 
+def bcn_transcription(x, mu_hat, var_hat, bw, bb, w, b, G, eps):
+    """Eq. 40 and 42 with the estimates as constants, differentiable (float64): per-group affine."""
+    xd = bw.view(1, -1, 1, 1) * (x - mu_hat.view(1, -1, 1, 1)) / torch.sqrt(var_hat.view(1, -1, 1, 1) + eps) \
+        + bb.view(1, -1, 1, 1)
+    B, C, H, W = x.shape
+    grouped = xd.reshape(B, G, -1)
+    mu = grouped.mean(2, keepdim=True)
+    var = (grouped - mu).square().mean(2, keepdim=True)
+    yd = ((grouped - mu) / torch.sqrt(var + eps)).reshape(B, G, C // G, H, W)
+    return (yd * w.view(1, G, 1, 1, 1) + b.view(1, G, 1, 1, 1)).reshape(B, C, H, W)
+
+
 def test_estimates_are_not_trained_by_the_loss():
-    bcn = BatchChannelNorm2d(4, num_groups=2, update_rate=0.1)
-    x = torch.randn(2, 4, 3, 3, requires_grad=True)
+    """The loss's gradient treats the (updated) estimates as constants: equal to the gradient of Eq. 40/42
+    with Algorithm 1's step 3-4 estimates plugged in as numbers."""
+    torch.manual_seed(0)
+    bcn = random_affines(BatchChannelNorm2d(4, num_groups=2, update_rate=0.1).double())
+    x = (torch.randn(2, 4, 3, 3, dtype=torch.float64) * 2 + 1).requires_grad_(True)
+    _, mu, var = algorithm1(x.detach(), bcn.running_mean, bcn.running_var, 0.1, bcn.batch_weight.detach(),
+                            bcn.batch_bias.detach(), bcn.weight.detach(), bcn.bias.detach(), 2, bcn.eps, True)
     bcn(x).pow(2).sum().backward()
     names = [n for n, p in bcn.named_parameters()]
     assert 'running_mean' not in names and 'running_var' not in names
-    assert x.grad is not None and bcn.batch_weight.grad is not None
+    leaves = [x.detach().clone().requires_grad_(True)] + [p.detach().clone().requires_grad_(True) for p in
+                                                          (bcn.batch_weight, bcn.batch_bias, bcn.weight, bcn.bias)]
+    bcn_transcription(leaves[0], mu, var, *leaves[1:], 2, bcn.eps).pow(2).sum().backward()
+    for got, ref in zip([x, bcn.batch_weight, bcn.batch_bias, bcn.weight, bcn.bias], leaves):
+        torch.testing.assert_close(got.grad, ref.grad, rtol=1e-10, atol=1e-12)
 
 
 def test_missing_rate_fails_loudly_in_training():
@@ -122,16 +143,32 @@ def test_missing_rate_fails_loudly_in_training():
 
 
 def test_layer_called_twice_before_backward():
-    bcn = BatchChannelNorm2d(4, num_groups=2, update_rate=0.5)
-    x1, x2 = torch.randn(1, 4, 3, 3, requires_grad=True), torch.randn(1, 4, 2, 2, requires_grad=True)
+    """Each call of one iteration normalizes as its only call would (same starting estimates): the
+    gradients equal those of two copies of the layer called once each."""
+    torch.manual_seed(0)
+    bcn = random_affines(BatchChannelNorm2d(4, num_groups=2, update_rate=0.5).double())
+    x1 = torch.randn(1, 4, 3, 3, dtype=torch.float64, requires_grad=True)
+    x2 = torch.randn(1, 4, 2, 2, dtype=torch.float64, requires_grad=True)
+    copies = [copy.deepcopy(bcn) for _ in range(2)]
+    r1, r2 = x1.detach().clone().requires_grad_(True), x2.detach().clone().requires_grad_(True)
     (bcn(x1).sum() + bcn(x2).pow(2).sum()).backward()
-    assert x1.grad is not None and x2.grad is not None
+    (copies[0](r1).sum() + copies[1](r2).pow(2).sum()).backward()
+    torch.testing.assert_close(x1.grad, r1.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x2.grad, r2.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(bcn.batch_weight.grad, copies[0].batch_weight.grad + copies[1].batch_weight.grad,
+                               rtol=1e-12, atol=1e-12)
 
 
 def test_batch_size_one_with_1x1_map():
-    bcn = BatchChannelNorm2d(64, num_groups=32, update_rate=0.02)
-    y = bcn.train()(torch.randn(1, 64, 1, 1))
-    assert y.shape == (1, 64, 1, 1) and torch.isfinite(y).all()
+    torch.manual_seed(0)
+    bcn = random_affines(BatchChannelNorm2d(64, num_groups=32, update_rate=0.02).double())
+    x = torch.randn(1, 64, 1, 1, dtype=torch.float64)
+    expected, mu, _ = algorithm1(x, bcn.running_mean, bcn.running_var, 0.02, bcn.batch_weight.detach(),
+                                 bcn.batch_bias.detach(), bcn.weight.detach(), bcn.bias.detach(), 32, bcn.eps, True)
+    y = bcn.train()(x)
+    assert y.shape == (1, 64, 1, 1)
+    torch.testing.assert_close(y, expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(bcn.running_mean, mu, rtol=1e-12, atol=1e-12)
 
 
 def test_gradcheck_float64():
@@ -330,8 +367,8 @@ def test_recompute_from_config_keeps_state_dict_keys():
 
 
 def test_recompute_synced_batch_mode_runs_the_collective_once(monkeypatch):
-    """Batch mode with sync_stats in a (simulated) multi-process run: the all-reduce of the batch moments
-    runs once per forward, outside the recomputed part (never again in backward), and the result equals
+    """Batch mode with sync_stats in a (simulated) multi-process run: the all-reduces of the batch moments
+    run once per forward, outside the recomputed part (never again in backward), and the result equals
     the run without recompute."""
     import torch.distributed.nn.functional as dist_fn
 
@@ -347,7 +384,9 @@ def test_recompute_synced_batch_mode_runs_the_collective_once(monkeypatch):
     bcn = _bcn_with_state('batch', sync_stats=True)
     xs = [torch.randn(2, 8, 5, 6) * 2 + 1, torch.randn(1, 8, 3, 4) - 1]
     assert_recompute_matches_plain(bcn, xs)
-    assert len(calls) == 2 * len(xs)  # once per forward, for each of the two runs
+    # two all-reduces (sums, then squares around the global mean) per forward, for each of the two runs;
+    # none in backward
+    assert len(calls) == 2 * 2 * len(xs)
 
 
 def test_recompute_double_backward_raises():
