@@ -157,10 +157,13 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
         elif x.numel() == 0:  # no samples (e.g. zero RoIs): nothing to normalize or to track
             mean, var = self.running_mean, self.running_var
         else:
-            # a checkpoint's recomputation in backward tracks nothing: the forward did
-            track = not (self.training and in_backward())
-            return F.batch_norm(x, self.running_mean if track else None, self.running_var if track else None,
-                                self.batch_weight, self.batch_bias, self.training, self.momentum, self.eps)
+            # a checkpoint's recomputation in backward tracks into copies (the forward did; and the same ops
+            # must save the same tensors, which non-reentrant checkpointing checks)
+            again = self.training and in_backward()
+            mean, var = (self.running_mean.clone(), self.running_var.clone()) if again else (self.running_mean,
+                                                                                              self.running_var)
+            return F.batch_norm(x, mean, var, self.batch_weight, self.batch_bias, self.training, self.momentum,
+                                self.eps)
         return self._affine(x, mean, var, self.batch_weight, self.batch_bias)
 
     def _synced_stats(self, x):

@@ -57,6 +57,7 @@ import torch
 import torch.nn as nn
 
 from ._eval_maps import f64
+from ._estimate import in_backward
 from ._recompute import checkpoint_once, recompute_active
 
 __all__ = ['IterNorm', 'newton_whitening_matrix', 'zca_whitening_matrix']
@@ -247,7 +248,8 @@ class IterNorm(nn.Module):
             # (the affine parameters are passed in, so the recomputation uses the forward's tensors)
             return checkpoint_once(lambda first, inp, w, b: self._whiten(inp, True, first, w, b), x, self.weight,
                                    self.bias)
-        return self._whiten(x, self.training, self.training, self.weight, self.bias)
+        # an activation checkpoint's recomputation in backward (with_cp=True) updates nothing: the forward did
+        return self._whiten(x, self.training, self.training and not in_backward(), self.weight, self.bias)
 
     def _whiten(self, x: torch.Tensor, training: bool, update: bool, weight, bias) -> torch.Tensor:
         """Algorithm 1 with batch statistics (``training``; Eq. 8 updates if ``update``) or the running

@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from normdense.layers import set_update_rate
 from normdense.layers.bcn import BatchChannelNorm2d
+from normdense.layers.iternorm import IterNorm
 from normdense.layers.unitization import Unitization2d
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -244,3 +245,28 @@ def test_sync_stats_checkpointed_and_half_precision_two_ranks(tmp_path):
             for key in ('output', 'running_mean', 'running_var'):
                 assert torch.isfinite(got[key]).all(), (dtype, key)
                 torch.testing.assert_close(got[key], ref[key], rtol=tol, atol=tol, msg=f'{dtype} {key}')
+
+
+BATCH_LAYERS = {
+    'bcn_batch_fused': lambda: BatchChannelNorm2d(8, num_groups=4, mode='batch'),
+    'bcn_batch_reference': lambda: BatchChannelNorm2d(8, num_groups=4, mode='batch', fused=False),
+    'unitization_batch_fused': lambda: Unitization2d(8),
+    'unitization_batch_reference': lambda: Unitization2d(8, fused=False),
+    'iternorm': lambda: IterNorm(8, group_size=4),
+}
+
+
+@pytest.mark.parametrize('cp', ['reentrant', 'non_reentrant'])
+@pytest.mark.parametrize('name', sorted(BATCH_LAYERS))
+def test_checkpointed_running_statistics_tracked_once(name, cp):
+    """Batch-statistics layers track their running statistics in the forward only, not again in the
+    checkpoint's recomputation (before: the momentum was applied twice per step)."""
+    plain = Block(BATCH_LAYERS[name]()).double()
+    ckpt = copy.deepcopy(plain)
+    ckpt.cp = cp
+    ref, ref_buffers = train(plain, 2)
+    got, got_buffers = train(ckpt, 2)
+    for (_, g0, _), (_, g1, _) in zip(ref, got):
+        torch.testing.assert_close(g1, g0, rtol=1e-10, atol=1e-12)
+    for n in ref_buffers:
+        torch.testing.assert_close(got_buffers[n], ref_buffers[n], rtol=1e-12, atol=1e-14, msg=n)
