@@ -18,3 +18,4 @@ from . import registry  # noqa: F401,E402  (registers into mmengine's root MODEL
 allow_mmengine_checkpoint_types()
 install_safe_loaders()
 from .model_convert import convert_model, revert_model  # noqa: F401,E402  (BN/GN/convs of a built model)
+from .norm_switch import CHOICES as NORM_CHOICES, switch_norm  # noqa: F401,E402  (the norm switch on a config)

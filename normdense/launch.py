@@ -226,6 +226,14 @@ def prepare_cpu_distributed(cfg):
     return cfg
 
 
+def apply_norm_arg(cfg, norm):
+    """``--norm NAME``: the norm switch (normdense/norm_switch.py), applied by NormSwitchRunner."""
+    if norm:
+        from normdense.norm_switch import request_switch
+        request_switch(cfg, norm)
+    return cfg
+
+
 def build_runner(cfg):
     from mmengine.registry import RUNNERS
     from mmengine.runner import Runner
@@ -242,6 +250,10 @@ def _common_args(parser):
                              'shape-mismatched keys) and log what stays at initialization (default: refuse)')
     parser.add_argument('--cfg-options', nargs='+', action=DictAction,
                         help='override config settings, e.g. train_cfg.max_iters=10 (xxx=yyy, lists as [a,b])')
+    from normdense.norm_switch import CHOICES
+    parser.add_argument('--norm', choices=CHOICES,
+                        help='(normdense) switch every norm/conv slot of the config to this norm and add what it needs '
+                             '(docs/any_model.md); prints what was switched and what was left')
     parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'], default='none',
                         help='job launcher')
     # torch.distributed.launch passes --local-rank from torch 2.0 on, --local_rank before
@@ -308,6 +320,7 @@ USER_ERRORS = (ConfigError, FileNotFoundError, ValueError, RuntimeError)
 def prepare_train(args):
     """The config ``tools/train.py`` builds its runner from, after every check that needs no model."""
     cfg = load_config(args.config, args.cfg_options, args.launcher, args.work_dir)
+    apply_norm_arg(cfg, getattr(args, 'norm', None))
     apply_train_args(cfg, amp=args.amp, auto_scale_lr=args.auto_scale_lr, resume=args.resume)
     apply_loader_args(cfg, args.no_validate, args.no_pin_memory, args.no_persistent_workers)
     apply_load_args(cfg, allow_partial_load=args.allow_partial_load)
@@ -333,6 +346,7 @@ def prepare_test(args):
     if args.out is None and args.out_item is not None:
         raise ValueError('--out-item needs --out')
     cfg = load_config(args.config, args.cfg_options, args.launcher, args.work_dir)
+    apply_norm_arg(cfg, getattr(args, 'norm', None))
     out = None if args.out_item == 'metrics' else args.out  # metrics: any format mmengine.dump writes
     apply_test_args(cfg, args.checkpoint, out=out, show=args.show, show_dir=args.show_dir, wait_time=args.wait_time)
     scope = codebase_of(cfg)

@@ -244,7 +244,7 @@ def _ws_from_conv(cfg, conv):
 
 
 def convert_model(model: nn.Module, norm=None, conv=None, include: Pattern = None, exclude: Pattern = None,
-                  verbose: bool = True) -> nn.Module:
+                  verbose: bool = True, dry_run: bool = False) -> nn.Module:
     """Swap BN / SyncBN / GN for ``norm`` and the convs feeding a norm for ``conv``; see the module docstring.
 
     Args:
@@ -254,6 +254,7 @@ def convert_model(model: nn.Module, norm=None, conv=None, include: Pattern = Non
             leaves the convs.
         include / exclude: which modules, by qualified name (glob patterns) or ``callable(name, module)``.
         verbose: print the summary (it is also left on the returned model as ``normdense_conversion``).
+        dry_run: change nothing; the summary lists what would be converted as left.
     """
     if norm is None and conv is None:
         raise ValueError("convert_model needs norm= and/or conv=, e.g. norm='BCN', conv='WSConv2d'")
@@ -267,6 +268,8 @@ def convert_model(model: nn.Module, norm=None, conv=None, include: Pattern = Non
         kind = type(m).__name__
         is_norm, is_conv = _is_norm(m), isinstance(m, nn.Conv2d)
         if not ((is_norm and norm_cfg is not None) or (is_conv and conv_cfg is not None)):
+            continue
+        if is_norm and norm_cfg is not None and _already(m, norm_cfg):
             continue
         if not included(name, m):
             report.add(name, kind, note='not included')
@@ -284,6 +287,11 @@ def convert_model(model: nn.Module, norm=None, conv=None, include: Pattern = Non
             report.add(name, kind, note='not a type the converter replaces (BatchNorm2d, SyncBatchNorm, GroupNorm; '
                                         'Conv2d feeding a norm)')
     for name, m, what in targets:
+        if dry_run:
+            wanted = (norm_cfg if what == 'norm' else conv_cfg)['type']
+            report.add(name, type(m).__name__, note=f'hard-coded, not converted to {wanted} (convert=True, or '
+                                                    'normdense.convert_model, converts it)')
+            continue
         if what == 'norm':
             new = _build_norm(norm_cfg, m)
             note = _transfer(new, m)

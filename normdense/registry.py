@@ -5,7 +5,7 @@ mmseg's and mmpretrain's child registries all resolve through mmengine's root ``
 registration here makes a layer selectable from any of their configs. Names already taken there
 (mmcv's ``ConvWS``, ``GN``, ...) raise ``KeyError``, so ours are new.
 """
-from mmengine.registry import HOOKS, MODELS, WEIGHT_INITIALIZERS  # noqa: F401
+from mmengine.registry import HOOKS, MODELS, RUNNERS, WEIGHT_INITIALIZERS  # noqa: F401
 
 from .convert.pretrained_init import PretrainedBackbone  # noqa: E402
 
@@ -63,3 +63,8 @@ MODELS.register_module(name='PNResNet', module=PNResNet)
 MODELS.register_module(name='PNResNetV1c', module=PNResNetV1c)
 HOOKS.register_module(name='ProxyNormCheckHook', module=ProxyNormCheckHook)
 from . import optim  # noqa: F401,E402  (mmengine's norm_decay_mult / bias_decay_mult reach every normdense norm)
+
+# --- The norm switch's runner (normdense/norm_switch.py): runner_type='NormSwitchRunner' in any config -----
+from .runner import NormSwitchRunner  # noqa: E402
+
+RUNNERS.register_module(name='NormSwitchRunner', module=NormSwitchRunner)

@@ -1,0 +1,282 @@
+"""The norm switch: one name (``'bcn-ws'``, ``'gn-ws'``, ...) puts a normalization into every ``norm_cfg`` /
+``conv_cfg`` slot of any mmdet / mmseg / mmpretrain config's model, and adds what that norm needs.
+
+Three ways in, one implementation (:func:`switch_norm`):
+
+* ``tools/train.py ANY_CONFIG --norm bcn-ws`` (and ``tools/test.py``);
+* in a config, for the codebases' own ``train.py`` / ``test.py`` and ``mim train``::
+
+      _base_ = ['mmdet::retinanet/retinanet_r50_fpn_1x_coco.py', 'normdense::_base_/norm_switch.py']
+      normdense_norm = 'bcn-ws'        # or dict(norm='bcn-ws', num_groups=16, exclude=[...], convert=True)
+
+  where ``configs/_base_/norm_switch.py`` sets ``custom_imports`` and ``runner_type='NormSwitchRunner'``;
+* from Python: ``switch_norm(cfg, 'bcn-ws')`` on a loaded ``Config``.
+
+Why a runner type: a text config cannot call a function after its ``_base_`` inheritance, and the
+switch must change more than the model (``custom_hooks``: ``EstimateRateHook``; the optimizer's
+``paramwise_cfg`` for GN+PN) and must reach the *built* model before the optimizer exists (modules that
+hard-code their layers). The codebases' ``train.py`` / ``test.py`` build ``cfg.runner_type`` through
+mmengine's ``RUNNERS`` when it is set, and a runner sees the whole config and builds the model: a
+registered model type would see only the model dict and could not add the hook.
+
+What is switched: every module dict in ``cfg.model`` whose class takes ``norm_cfg`` (backbone, neck,
+heads, their sub-heads) gets the norm, and its ``conv_cfg`` the conv (``WSConv2d`` for ``*-ws``, plain for
+the others); ``norm_eval`` becomes False (mmdet's ResNet freezes BN-type layers otherwise). A head with no
+``norm_cfg`` argument (mmdet's RPN head, Shared2FC box heads' FCs) and the predictors inside heads stay
+plain, as in the WS/BCN paper; such a component is listed as left. ``exclude`` names slots to leave
+(``'roi_head.mask_head'``, globs allowed). After the model is built, layers the config could not reach
+(hard-coded ``nn.BatchNorm2d``, ...) are listed, and converted with ``convert=True``
+(``normdense.convert_model``) before the optimizer is built.
+"""
+import copy
+import fnmatch
+import inspect
+import logging
+from typing import List, Optional
+
+CHOICES = ('bn', 'gn', 'gn-ws', 'bcn-ws', 'gn-pn', 'iternorm', 'unitization')
+_WS = dict(type='WSConv2d')
+_PN_BACKBONES = {'ResNet': 'PNResNet', 'ResNetV1c': 'PNResNetV1c', 'mmdet.ResNet': 'PNResNet',
+                 'mmseg.ResNet': 'PNResNet', 'mmseg.ResNetV1c': 'PNResNetV1c', 'PNResNet': 'PNResNet',
+                 'PNResNetV1c': 'PNResNetV1c'}
+_RATE_HOOKS = ('EstimateRateHook', 'BCNRateHook')
+_COMPONENT_SUFFIXES = ('backbone', 'neck', 'head')
+
+
+def norm_layers(name: str, num_groups: int = 32):
+    """(norm_cfg, conv_cfg, hooks) of a switch name."""
+    gn = dict(type='GN', num_groups=num_groups, requires_grad=True)
+    table = {
+        'bn': (dict(type='BN', requires_grad=True), None, []),
+        'gn': (gn, None, []),
+        'gn-ws': (gn, _WS, []),
+        'bcn-ws': (dict(type='BCN', num_groups=num_groups, mode='estimate'), _WS, ['EstimateRateHook']),
+        'gn-pn': (gn, None, ['ProxyNormCheckHook']),  # the backbone gets GNPN in a PNResNet (see _switch_slot)
+        'iternorm': (dict(type='IterNorm', group_size=64, T=5), None, []),
+        'unitization': (dict(type='Unitization', mode='estimate', requires_grad=True), None, ['EstimateRateHook']),
+    }
+    if name not in table:
+        raise ValueError(f'unknown norm {name!r}; choose one of {", ".join(CHOICES)}')
+    return copy.deepcopy(table[name])
+
+
+def parse_spec(spec) -> dict:
+    """``'bcn-ws'`` or ``dict(norm='bcn-ws', num_groups=32, exclude=[...], convert=False)`` -> a full dict."""
+    if isinstance(spec, str):
+        spec = dict(norm=spec)
+    spec = dict(spec)
+    unknown = set(spec) - {'norm', 'num_groups', 'exclude', 'convert'}
+    if unknown or 'norm' not in spec:
+        raise ValueError(f'normdense_norm: expected a name or dict(norm=..., num_groups=32, exclude=[...], '
+                         f'convert=False), got keys {sorted(spec)}')
+    spec.setdefault('num_groups', 32)
+    exclude = spec.get('exclude') or []
+    spec['exclude'] = [exclude] if isinstance(exclude, str) else list(exclude)
+    spec.setdefault('convert', False)
+    norm_layers(spec['norm'])  # the one-line error for an unknown name
+    return spec
+
+
+class SwitchReport:
+    """What :func:`switch_norm` did: config rows ``(slot, type, what)``, then, once the model is built,
+    the layer counts and the layers the config could not reach (or their conversion)."""
+
+    def __init__(self, norm: str):
+        self.norm = norm
+        self.switched: List[tuple] = []
+        self.left: List[tuple] = []
+        self.notes: List[str] = []
+        self.census: Optional[dict] = None
+        self.conversion = None
+
+    def table(self) -> str:
+        width = max([len(r[0]) for r in self.switched + self.left] + [10])
+        lines = [f'normdense norm switch: {self.norm} ({len(self.switched)} slots switched, {len(self.left)} left)',
+                 f'  {"slot":<{width}}  {"type":<28}  what']
+        lines += [f'  {s:<{width}}  {t:<28}  {w}' for s, t, w in self.switched]
+        lines += [f'  {s:<{width}}  {t:<28}  left: {w}' for s, t, w in self.left]
+        lines += [f'  note: {n}' for n in self.notes]
+        if self.census is not None:
+            lines.append('  built model: ' + ', '.join(f'{name} x{count}' for name, count in sorted(self.census.items())))
+        if self.conversion is not None:
+            lines += ['  ' + line for line in self.conversion.table().splitlines()]
+        return '\n'.join(lines)
+
+    __str__ = table
+
+
+def _registry(scope: str):
+    if scope == 'mmdet':
+        from mmdet.registry import MODELS
+    elif scope == 'mmseg':
+        from mmseg.registry import MODELS
+    elif scope == 'mmpretrain':
+        from mmpretrain.registry import MODELS
+    else:
+        from mmengine.registry import MODELS
+    return MODELS
+
+
+def _accepts(cls, arg: str) -> bool:
+    """Whether ``cls(...)`` takes ``arg``: in its ``__init__``, or in a base's that ``**kwargs`` reaches."""
+    for klass in cls.__mro__:
+        init = klass.__dict__.get('__init__')
+        if init is None:
+            continue
+        try:
+            params = inspect.signature(init).parameters
+        except (TypeError, ValueError):
+            return False
+        if arg in params:
+            return True
+        if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            return False
+    return False
+
+
+def _module_class(registry, type_name):
+    import torch.nn as nn
+    if not isinstance(type_name, str):
+        return type_name if isinstance(type_name, type) else None
+    try:
+        cls = registry.get(type_name)
+    except Exception:  # a type of another scope that is not installed
+        return None
+    return cls if isinstance(cls, type) and issubclass(cls, nn.Module) else None
+
+
+def _excluded(path: str, patterns) -> bool:
+    parts = path.split('.')
+    prefixes = ['.'.join(parts[:i]) for i in range(1, len(parts) + 1)]
+    return any(fnmatch.fnmatchcase(p, pat) for p in prefixes for pat in patterns)
+
+
+def _walk(node, path):
+    """Module dicts (with a ``type``) under ``node``: (path, dict), parents first."""
+    if isinstance(node, dict):
+        if 'type' in node:
+            yield path, node
+        for key, value in node.items():
+            if key in ('init_cfg', 'train_cfg', 'test_cfg', 'data_preprocessor'):
+                continue
+            yield from _walk(value, f'{path}.{key}' if path else key)
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            yield from _walk(value, f'{path}[{i}]')
+
+
+def _describe(node, key):
+    if key not in node:
+        return 'default'
+    return 'plain' if not node[key] else str(node[key].get('type'))
+
+
+def switch_norm(cfg, spec, verbose: bool = False) -> SwitchReport:
+    """Switch every norm/conv slot of ``cfg.model`` to ``spec`` (a name in :data:`CHOICES` or a dict, see
+    :func:`parse_spec`) and add the hooks, imports and optimizer settings it needs, in place. Idempotent.
+    Returns the :class:`SwitchReport` of the config part (printed with ``verbose``)."""
+    spec = parse_spec(spec)
+    norm_cfg, conv_cfg, hooks = norm_layers(spec['norm'], spec['num_groups'])
+    report = SwitchReport(spec['norm'])
+    registry = _registry(cfg.get('default_scope') or 'mmengine')
+    for path, node in list(_walk(cfg.model, '')):
+        slot = f'model.{path}' if path else 'model'
+        cls = _module_class(registry, node['type'])
+        if cls is None:
+            continue
+        has_norm = 'norm_cfg' in node or _accepts(cls, 'norm_cfg')
+        component = path.split('.')[-1].split('[')[0].endswith(_COMPONENT_SUFFIXES)
+        if not has_norm:
+            if component:
+                report.left.append((slot, str(node['type']), 'takes no norm_cfg (its convs stay plain)'))
+            continue
+        if _excluded(path, spec['exclude']):
+            report.left.append((slot, str(node['type']), 'excluded'))
+            continue
+        before = f"{_describe(node, 'norm_cfg')}/{_describe(node, 'conv_cfg')}"
+        norm, conv = copy.deepcopy(norm_cfg), copy.deepcopy(conv_cfg)
+        if spec['norm'] == 'gn-pn' and path == 'backbone':
+            if node['type'] in _PN_BACKBONES:
+                node['type'] = _PN_BACKBONES[node['type']]
+                norm = dict(type='GNPN', num_groups=spec['num_groups'])
+            else:
+                report.notes.append(f"gn-pn: the backbone {node['type']} is not a ResNet/ResNetV1c, which PNResNet "
+                                    'replaces: it gets GN without PN')
+        node['norm_cfg'] = norm
+        if 'conv_cfg' in node or _accepts(cls, 'conv_cfg'):
+            node['conv_cfg'] = conv
+        if 'norm_eval' in node or _accepts(cls, 'norm_eval'):
+            node['norm_eval'] = spec['norm'] == 'bn' and bool(node.get('norm_eval', False))
+        after = f"{_describe(node, 'norm_cfg')}/{_describe(node, 'conv_cfg')}"
+        report.switched.append((slot, str(node['type']), f'norm/conv {before} -> {after}'))
+        init = node.get('init_cfg') or {}
+        checkpoint = init.get('checkpoint') if isinstance(init, dict) and init.get('type') == 'Pretrained' else None
+        checkpoint = checkpoint or (cfg.model.get('pretrained') if path == 'backbone' else None)
+        if path == 'backbone' and checkpoint and spec['norm'] != 'bn':
+            report.notes.append(f"the backbone loads {checkpoint}, a BN-trained checkpoint: its norm parameters do not "
+                                'fit the new layers (docs/pretraining.md: convert or pretrain one; or init_cfg=None '
+                                'and pretrained=None to train from scratch)')
+    # a container whose sub-heads were switched (CascadeRoIHead) is not 'left'
+    report.left = [r for r in report.left if r[2] == 'excluded' or
+                   not any(s[0].startswith(r[0] + '.') for s in report.switched)]
+    _add_needs(cfg, spec, hooks)
+    if verbose:
+        _log(report.table())
+    return report
+
+
+def _add_needs(cfg, spec, hooks):
+    imports = dict(cfg.get('custom_imports') or dict(imports=[], allow_failed_imports=False))
+    names = list(imports.get('imports') or [])
+    if 'normdense' not in names:
+        imports['imports'] = names + ['normdense']
+        cfg.custom_imports = imports
+    custom = list(cfg.get('custom_hooks') or [])
+    present = {h.get('type') for h in custom}
+    for hook in hooks:
+        if hook in present or (hook in _RATE_HOOKS and present & set(_RATE_HOOKS)):
+            continue
+        custom.append(dict(type=hook))
+    cfg.custom_hooks = custom
+    if spec['norm'] == 'gn-pn' and cfg.get('optim_wrapper') is not None:
+        from .hooks.proxy_norm_check import proxy_norm_paramwise_cfg
+        paramwise = cfg.optim_wrapper.get('paramwise_cfg') or {}
+        for key, value in proxy_norm_paramwise_cfg().items():
+            if key == 'custom_keys':
+                paramwise['custom_keys'] = {**value, **(paramwise.get('custom_keys') or {})}
+            else:
+                paramwise.setdefault(key, value)
+        cfg.optim_wrapper['paramwise_cfg'] = paramwise
+
+
+def finish_model(model, spec, report: SwitchReport):
+    """After the build: count the layers, and list (or, with ``convert``, convert) what the config could not
+    reach. Returns the model (converted in place)."""
+    from .model_convert import convert_model, model_census
+    spec = parse_spec(spec)
+    norm_cfg, conv_cfg, _ = norm_layers(spec['norm'], spec['num_groups'])
+    exclude = [p.replace('[', '.').replace(']', '') for p in spec['exclude']]
+    converted = convert_model(model, norm=norm_cfg, conv=conv_cfg, exclude=exclude or None, verbose=False,
+                              dry_run=not spec['convert'])
+    report.conversion = converted.normdense_conversion
+    report.conversion.title = ('hard-coded layers converted (convert=True)' if spec['convert'] else
+                               'hard-coded layers the config does not reach')
+    report.census = model_census(converted)
+    return converted
+
+
+def _log(text):
+    from mmengine.logging import print_log
+    print_log(text, logger='current', level=logging.INFO)
+
+
+def request_switch(cfg, norm) -> None:
+    """``--norm NAME`` of tools/train.py and tools/test.py: ask the runner to switch (config form)."""
+    parse_spec(norm)
+    runner_type = cfg.get('runner_type')
+    if runner_type not in (None, 'Runner', 'NormSwitchRunner'):
+        raise ValueError(f"--norm needs runner_type 'Runner' or 'NormSwitchRunner'; this config sets "
+                         f'{runner_type!r}: call normdense.switch_norm(cfg, {norm!r}) before building it')
+    existing = cfg.get('normdense_norm')
+    cfg.normdense_norm = dict(parse_spec(existing), norm=norm) if existing else norm
+    cfg.runner_type = 'NormSwitchRunner'

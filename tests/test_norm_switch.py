@@ -1,0 +1,151 @@
+"""The norm switch (normdense/norm_switch.py) on mmdet's and mmseg's own configs: every norm and conv slot
+switched (counted in the built model), excluded slots untouched, the summary printed; the config form
+through mmengine's RUNNERS as the codebases' own train.py/test.py build it, and --norm of tools/."""
+import os.path as osp
+
+import pytest
+import torch.nn as nn
+from mmengine.config import Config
+from mmengine.registry import RUNNERS
+
+import normdense
+from normdense import launch
+from normdense.layers import BatchChannelNorm2d, GroupProxyNorm, WSConv2d
+from normdense.model_convert import _is_norm
+from normdense.norm_switch import switch_norm
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+SWITCH_BASE = osp.join(ROOT, 'configs', '_base_', 'norm_switch.py')
+
+
+def write_config(tmp_path, base, body=''):
+    path = tmp_path / 'switched.py'
+    path.write_text(f'_base_ = [{base!r}, {SWITCH_BASE!r}]\n{body}\n')
+    return str(path)
+
+
+def build_like_codebase_tools(path, tmp_path):
+    """What mmdet's / mmseg's tools/train.py do: Config.fromfile, then RUNNERS.build when runner_type is set."""
+    cfg = Config.fromfile(path)
+    cfg.work_dir = str(tmp_path / 'work')
+    assert 'runner_type' in cfg
+    return RUNNERS.build(cfg)
+
+
+def layers(model, cls):
+    return [n for n, m in model.named_modules() if type(m) is cls]
+
+
+def test_retinanet_bcn_ws_every_slot_switched(tmp_path, capsys):
+    path = write_config(tmp_path, 'mmdet::retinanet/retinanet_r50_fpn_1x_coco.py',
+                        "normdense_norm = 'bcn-ws'\nmodel = dict(backbone=dict(init_cfg=None))")
+    runner = build_like_codebase_tools(path, tmp_path)
+    model = runner.model
+    norms = [m for m in model.modules() if _is_norm(m)]
+    # backbone 53 (R-50), FPN 8 (3 lateral, 3 output, 2 extra), RetinaHead 8 (4 cls + 4 reg convs)
+    assert len(norms) == 53 + 8 + 8 and all(type(m) is BatchChannelNorm2d for m in norms)
+    assert len(layers(model, WSConv2d)) == 69
+    assert sorted(layers(model, nn.Conv2d)) == ['bbox_head.retina_cls', 'bbox_head.retina_reg']  # predictors
+    assert any(type(h).__name__ == 'EstimateRateHook' for h in runner.hooks)
+    table = runner.normdense_switch.table()
+    assert 'model.bbox_head' in table and 'RetinaHead' in table and 'BCN/WSConv2d' in table
+    assert 'bbox_head.retina_cls (Conv2d): feeds no norm' in table
+    assert 'built model: ' in table and 'BatchChannelNorm2d x69' in table
+
+
+def test_cascade_mask_rcnn_gn_ws_excluded_slot_untouched(tmp_path):
+    path = write_config(tmp_path, 'mmdet::cascade_rcnn/cascade-mask-rcnn_r50_fpn_1x_coco.py',
+                        "normdense_norm = dict(norm='gn-ws', exclude=['roi_head.mask_head'])\n"
+                        "model = dict(backbone=dict(init_cfg=None))")
+    runner = build_like_codebase_tools(path, tmp_path)
+    model = runner.model
+    norms = [(n, m) for n, m in model.named_modules() if _is_norm(m)]
+    assert len(norms) == 53 + 8 and all(type(m) is nn.GroupNorm for _, m in norms)  # backbone + FPN
+    assert not any(n.startswith('roi_head.mask_head') for n, _ in norms)
+    mask_convs = [n for n in layers(model, nn.Conv2d) if n.startswith('roi_head.mask_head')]
+    assert len([n for n in mask_convs if '.convs.' in n]) == 3 * 4  # 3 stages x 4 convs: untouched, plain
+    assert not any(n.startswith(('roi_head.mask_head', 'rpn_head')) for n in layers(model, WSConv2d))
+    assert len(layers(model, WSConv2d)) == 53 + 8
+    table = runner.normdense_switch.table()
+    assert 'model.roi_head.mask_head' in table and 'left: excluded' in table
+    assert 'model.rpn_head' in table and 'takes no norm_cfg' in table
+    for i in range(3):
+        assert f'model.roi_head.bbox_head[{i}]' in table
+
+
+def test_upernet_gn_pn_and_bcn_ws(tmp_path):
+    base = 'mmseg::upernet/upernet_r50_4xb4-40k_voc12aug-512x512.py'
+    path = write_config(tmp_path, base, "normdense_norm = 'gn-pn'\nmodel = dict(pretrained=None)")
+    runner = build_like_codebase_tools(path, tmp_path)
+    model = runner.model
+    assert type(model.backbone).__name__ == 'PNResNetV1c'
+    assert any(isinstance(m, GroupProxyNorm) for m in model.backbone.modules())
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    assert any(type(h).__name__ == 'ProxyNormCheckHook' for h in runner.hooks)
+    assert runner.cfg.optim_wrapper.paramwise_cfg.custom_keys['.proxy_beta'] == dict(decay_mult=1.0)
+
+    cfg = Config.fromfile(base.replace('mmseg::', osp.join(osp.dirname(__import__('mmseg').__file__),
+                                                             '.mim', 'configs') + '/'))
+    report = switch_norm(cfg, 'bcn-ws')
+    assert [r[0] for r in report.switched] == ['model.backbone', 'model.decode_head', 'model.auxiliary_head']
+    cfg.model.pretrained = None
+    from mmseg.registry import MODELS
+    from mmengine.registry import init_default_scope
+    init_default_scope('mmseg')
+    built = MODELS.build(cfg.model)
+    norms = [m for m in built.modules() if _is_norm(m)]
+    assert norms and all(type(m) is BatchChannelNorm2d for m in norms)
+    assert sorted(layers(built, nn.Conv2d)) == ['auxiliary_head.conv_seg', 'decode_head.conv_seg']
+    assert len(layers(built, WSConv2d)) == len(norms)
+
+
+def test_hard_coded_bn_listed_then_converted_with_convert_true(tmp_path):
+    from mmengine.model import BaseModel
+    from mmengine.registry import MODELS
+
+    @MODELS.register_module(force=True)
+    class HardCodedBNNet(BaseModel):
+        def __init__(self, norm_cfg=None):
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(3, 32, 3), nn.BatchNorm2d(32), nn.ReLU())
+
+        def forward(self, inputs, data_samples=None, mode='tensor'):
+            return self.body(inputs)
+
+    cfg = Config(dict(model=dict(type='HardCodedBNNet'), work_dir=str(tmp_path), runner_type='NormSwitchRunner',
+                      normdense_norm='bcn-ws'))
+    runner = RUNNERS.build(cfg)
+    assert type(runner.model.body[1]) is nn.BatchNorm2d
+    assert 'body.1 (BatchNorm2d): hard-coded, not converted to BCN' in runner.normdense_switch.table()
+    cfg.normdense_norm = dict(norm='bcn-ws', convert=True)
+    runner = RUNNERS.build(cfg)
+    assert type(runner.model.body[1]) is BatchChannelNorm2d and type(runner.model.body[0]) is WSConv2d
+    assert 'converted' in runner.normdense_switch.table()
+
+
+def test_tools_norm_argument_and_errors(tmp_path):
+    config = osp.join(ROOT, 'configs', 'demo', 'deeplabv3_r18-d8_bcn-ws_toy-voc.py')
+    args = launch.parse_args(launch.train_arg_parser(), [config, '--norm', 'gn-ws', '--work-dir', str(tmp_path)])
+    cfg = launch.load_config(args.config, None, 'none', args.work_dir)
+    launch.apply_norm_arg(cfg, args.norm)
+    assert cfg.runner_type == 'NormSwitchRunner' and cfg.normdense_norm == 'gn-ws'
+    args = launch.parse_args(launch.test_arg_parser(), [config, 'x.pth', '--norm', 'iternorm'])
+    assert args.norm == 'iternorm'
+    with pytest.raises(SystemExit):
+        launch.parse_args(launch.train_arg_parser(), [config, '--norm', 'batchchannel'])
+    with pytest.raises(ValueError, match='choose one of bn, gn, gn-ws, bcn-ws, gn-pn, iternorm, unitization'):
+        switch_norm(cfg, 'bcn')
+    cfg.runner_type = 'FlexibleRunner'
+    with pytest.raises(ValueError, match='normdense.switch_norm'):
+        launch.apply_norm_arg(cfg, 'gn')
+    assert normdense.NORM_CHOICES[0] == 'bn'
+
+
+def test_switch_is_idempotent_and_keeps_existing_rate_hook():
+    cfg = Config(dict(default_scope='mmdet', custom_hooks=[dict(type='BCNRateHook')],
+                      model=dict(type='RetinaNet', backbone=dict(type='ResNet', depth=18),
+                                 neck=dict(type='FPN', in_channels=[64], out_channels=8, num_outs=1))))
+    first = switch_norm(cfg, 'bcn-ws').table()
+    again = switch_norm(cfg, 'bcn-ws')
+    assert [h['type'] for h in cfg.custom_hooks] == ['BCNRateHook']
+    assert cfg.custom_imports.imports == ['normdense'] and len(again.switched) == 2 and first
