@@ -39,7 +39,7 @@ def parse_args(argv=None):
     p.add_argument('--seg-norms', default='bn,gn,gn-ws,bcn-ws,gn-pn,iternorm')
     p.add_argument('--cls-norms', default='bn,gn-ws,bcn-ws')
     p.add_argument('--seeds', default='0,1,2')
-    p.add_argument('--seg-iters', type=int, default=500, help='toy DeepLabV3 iterations (the demo: 5000)')
+    p.add_argument('--seg-iters', type=int, default=700, help='toy DeepLabV3 iterations (the demo: 5000)')
     p.add_argument('--cls-iters', type=int, default=300, help='toy classifier iterations (the demo: 3000 at batch 8)')
     p.add_argument('--seg-batch', type=int, default=2)
     p.add_argument('--cls-batches', default='1,2')
@@ -172,12 +172,12 @@ def main(argv=None):
         args.seg_iters, args.cls_iters = min(args.seg_iters, 2), min(args.cls_iters, 2)
     voc, imagenet = ensure_data(args)
     seeds = [int(s) for s in args.seeds.split(',')]
-    jobs = []
-    if not args.skip_seg:
-        jobs += [('seg', n, s, args.seg_batch) for n in args.seg_norms.split(',') for s in seeds]
-    if not args.skip_cls:
-        jobs += [('cls', n, s, int(b)) for b in args.cls_batches.split(',') for n in args.cls_norms.split(',')
-                 for s in seeds]
+    jobs = []  # seed by seed: a run cut short still compares every norm on the seeds it finished
+    for s in seeds:
+        if not args.skip_seg:
+            jobs += [('seg', n, s, args.seg_batch) for n in args.seg_norms.split(',')]
+        if not args.skip_cls:
+            jobs += [('cls', n, s, int(b)) for b in args.cls_batches.split(',') for n in args.cls_norms.split(',')]
     conditions = (f'toy DeepLabV3 {args.seg_iters} it. at batch {args.seg_batch}; toy classifier {args.cls_iters} '
                   f'it. at batch {args.cls_batches}; seeds {args.seeds}; from scratch; bars: mean, whiskers: min-max')
     result = dict(

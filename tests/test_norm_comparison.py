@@ -23,11 +23,11 @@ def test_norm_comparison_tiny_end_to_end(tmp_path):
     result = json.loads(out.read_text())
     assert result['tiny'] and 'BCN+WS > GN+WS > GN > BN' in result['paper_order']
     assert [(r['task'], r['norm'], r['seed'], r['batch']) for r in result['runs']] == [
-        ('seg', 'bn', 0, 2), ('seg', 'bn', 1, 2), ('seg', 'bcn-ws', 0, 2), ('seg', 'bcn-ws', 1, 2),
-        ('cls', 'gn-ws', 0, 1), ('cls', 'gn-ws', 1, 1)]
+        ('seg', 'bn', 0, 2), ('seg', 'bcn-ws', 0, 2), ('cls', 'gn-ws', 0, 1),
+        ('seg', 'bn', 1, 2), ('seg', 'bcn-ws', 1, 2), ('cls', 'gn-ws', 1, 1)]
     assert all(0 <= r['value'] <= 100 and r['iters'] == 2 for r in result['runs'])
     # measured with the switch: each run's first summary line names the norm
-    assert 'norm switch: bcn-ws' in result['runs'][2]['switched']
+    assert 'norm switch: bcn-ws' in result['runs'][1]['switched']
     summary = {(s['task'], s['norm']): s for s in result['summary']}
     assert summary[('seg', 'bn')]['seeds'] == 2 and summary[('seg', 'bn')]['min'] <= summary[('seg', 'bn')]['max']
     assert plot.stat().st_size > 1000
