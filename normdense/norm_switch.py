@@ -205,8 +205,8 @@ def switch_norm(cfg, spec, verbose: bool = False) -> SwitchReport:
         node['norm_cfg'] = norm
         if 'conv_cfg' in node or _accepts(cls, 'conv_cfg'):
             node['conv_cfg'] = conv
-        if 'norm_eval' in node or _accepts(cls, 'norm_eval'):
-            node['norm_eval'] = spec['norm'] == 'bn' and bool(node.get('norm_eval', False))
+        if spec['norm'] != 'bn' and ('norm_eval' in node or _accepts(cls, 'norm_eval')):
+            node['norm_eval'] = False
         after = f"{_describe(node, 'norm_cfg')}/{_describe(node, 'conv_cfg')}"
         report.switched.append((slot, str(node['type']), f'norm/conv {before} -> {after}'))
         init = node.get('init_cfg') or {}

@@ -149,3 +149,34 @@ def test_switch_is_idempotent_and_keeps_existing_rate_hook():
     again = switch_norm(cfg, 'bcn-ws')
     assert [h['type'] for h in cfg.custom_hooks] == ['BCNRateHook']
     assert cfg.custom_imports.imports == ['normdense'] and len(again.switched) == 2 and first
+
+
+EXPECTED = {'bn': ('BatchNorm2d', ), 'gn': ('GroupNorm', ), 'gn-ws': ('GroupNorm', ), 'bcn-ws': ('BatchChannelNorm2d', ),
+            'gn-pn': ('GroupProxyNorm', 'GroupNorm'), 'iternorm': ('IterNorm', ), 'unitization': ('Unitization2d', )}
+
+
+@pytest.mark.parametrize('norm', list(EXPECTED))
+def test_every_choice_on_a_small_retinanet(norm):
+    """Each name of the switch, counted in a built RetinaNet R-18 (backbone, FPN, shared head)."""
+    from mmdet.registry import MODELS
+    from mmengine.registry import init_default_scope
+    cfg = Config(dict(default_scope='mmdet', optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.01)), model=dict(
+        type='RetinaNet', data_preprocessor=dict(type='DetDataPreprocessor'),
+        backbone=dict(type='ResNet', depth=18, out_indices=(1, 2, 3), norm_eval=True),
+        neck=dict(type='FPN', in_channels=[128, 256, 512], out_channels=64, num_outs=3),
+        bbox_head=dict(type='RetinaHead', num_classes=3, in_channels=64, feat_channels=64,
+                       anchor_generator=dict(type='AnchorGenerator', octave_base_scale=4, scales_per_octave=3,
+                                             ratios=[0.5, 1.0, 2.0], strides=[8, 16, 32]),
+                       bbox_coder=dict(type='DeltaXYWHBBoxCoder'), loss_cls=dict(type='FocalLoss'),
+                       loss_bbox=dict(type='L1Loss')))))
+    report = switch_norm(cfg, dict(norm=norm, num_groups=16))
+    assert len(report.switched) == 3
+    assert cfg.model.backbone.norm_eval is (norm == 'bn')  # BN keeps the config's frozen statistics
+    init_default_scope('mmdet')
+    model = MODELS.build(cfg.model)
+    norms = {type(m).__name__ for m in model.modules() if _is_norm(m)}
+    assert norms == set(EXPECTED[norm])
+    ws = [n for n, m in model.named_modules() if isinstance(m, WSConv2d)]
+    assert bool(ws) == norm.endswith('-ws')
+    if norm == 'gn-pn':
+        assert type(model.backbone).__name__ == 'PNResNet' and 'paramwise_cfg' in cfg.optim_wrapper
