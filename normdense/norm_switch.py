@@ -265,6 +265,34 @@ def finish_model(model, spec, report: SwitchReport):
     return converted
 
 
+def build_norm_switched(model: dict, norm: str, num_groups: int = 32, exclude=None, convert: bool = False,
+                        data_preprocessor=None):
+    """The model-type form, ``model = dict(_delete_=True, type='NormSwitched', norm='gn-ws',
+    model={{_base_.model}})``: the switch applied to ``model`` when it is built, so every code path that builds
+    ``cfg.model`` (a plain ``Runner.from_cfg`` as mmseg 1.2.2's ``tools/test.py``, ``init_detector``,
+    ``init_model``) gets the switched model, with the state-dict keys of the runner form. Returns the built
+    model itself (its own class). It cannot add hooks: estimate-mode norms (``bcn-ws``, ``unitization``)
+    need ``custom_hooks = [dict(type='EstimateRateHook')]`` in the config (without it the first training
+    iteration stops with an error naming the hook). ``data_preprocessor``: what mmengine's Runner passes
+    from a top-level ``data_preprocessor`` (as it would into any model dict)."""
+    from mmengine.config import Config
+    from mmengine.registry import DefaultScope
+    spec = parse_spec(dict(norm=norm, num_groups=num_groups, exclude=exclude or [], convert=convert))
+    current = DefaultScope.get_current_instance()
+    model = copy.deepcopy(dict(model))
+    if data_preprocessor is not None:
+        model.setdefault('data_preprocessor', data_preprocessor)
+    cfg = Config(dict(model=model, default_scope=current.scope_name if current else 'mmengine'))
+    report = switch_norm(cfg, spec)
+    if cfg.custom_hooks:
+        report.notes.append('the model-type form adds no hooks: the config needs custom_hooks = ' +
+                            str([dict(type=h['type']) for h in cfg.custom_hooks]))
+    built = _registry(cfg.default_scope).build(cfg.model)
+    built = finish_model(built, spec, report)
+    _log(report.table())
+    return built
+
+
 def _log(text):
     from mmengine.logging import print_log
     print_log(text, logger='current', level=logging.INFO)

@@ -67,4 +67,7 @@ from . import optim  # noqa: F401,E402  (mmengine's norm_decay_mult / bias_decay
 # --- The norm switch's runner (normdense/norm_switch.py): runner_type='NormSwitchRunner' in any config -----
 from .runner import NormSwitchRunner  # noqa: E402
 
+from .norm_switch import build_norm_switched  # noqa: E402
+
 RUNNERS.register_module(name='NormSwitchRunner', module=NormSwitchRunner)
+MODELS.register_module(name='NormSwitched', module=build_norm_switched)  # the model-type form

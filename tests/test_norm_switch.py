@@ -180,3 +180,56 @@ def test_every_choice_on_a_small_retinanet(norm):
     assert bool(ws) == norm.endswith('-ws')
     if norm == 'gn-pn':
         assert type(model.backbone).__name__ == 'PNResNet' and 'paramwise_cfg' in cfg.optim_wrapper
+
+
+@pytest.mark.slow  # ~1 min: two subprocesses, each importing mmseg and running a Runner
+def test_mmseg_own_train_and_test_scripts_take_the_config_form(tmp_path):
+    """mmseg's own tools/train.py and tools/test.py (shipped in its wheel) on a config that only sets
+    normdense_norm: the runner switches the model in both, so the trained checkpoint loads strictly."""
+    import subprocess
+    import sys
+    from normdense.data.writers import write_voc
+    write_voc(str(tmp_path / 'data' / 'toy_voc'), num_train=4, num_val=2, num_aug=4)
+    demo = osp.join(ROOT, 'configs', 'demo', 'deeplabv3_r18-d8_bcn-ws_toy-voc.py')
+    path = tmp_path / 'cfg.py'
+    # the demo sets custom_imports already: the two lines of norm_switch.py go into the config itself
+    path.write_text(f'_base_ = [{demo!r}]\nrunner_type = "NormSwitchRunner"\n'
+                    'normdense_norm = dict(norm="gn-ws", num_groups=16)\n'
+                    'custom_hooks = []\ntrain_cfg = dict(max_iters=2, val_interval=2)\n'
+                    'default_hooks = dict(checkpoint=dict(interval=2))\n')
+    tools = osp.join(osp.dirname(__import__('mmseg').__file__), '.mim', 'tools')
+    env = dict(__import__('os').environ, PYTHONPATH=ROOT)
+    run = lambda *a: subprocess.run([sys.executable, *a], cwd=str(tmp_path), env=env, capture_output=True,
+                                    text=True, timeout=600)
+    trained = run(osp.join(tools, 'train.py'), str(path), '--work-dir', str(tmp_path / 'work'))
+    log = trained.stdout + trained.stderr
+    assert trained.returncode == 0, log[-3000:]
+    assert 'normdense norm switch: gn-ws (2 slots switched' in log and 'GroupNorm x' in log and 'mIoU' in log
+    # mmseg 1.2.2's own tools/test.py builds Runner.from_cfg and ignores runner_type: the model-type form
+    model_type = tmp_path / 'model_type.py'
+    model_type.write_text(f'_base_ = [{demo!r}]\nmodel = dict(_delete_=True, type="NormSwitched", norm="gn-ws", '
+                          'num_groups=16, model={{_base_.model}})\ncustom_hooks = []\n')
+    tested = run(osp.join(tools, 'test.py'), str(model_type), str(tmp_path / 'work' / 'iter_2.pth'), '--work-dir',
+                 str(tmp_path / 'test'))
+    log = tested.stdout + tested.stderr
+    assert tested.returncode == 0, log[-3000:]
+    assert 'normdense norm switch: gn-ws' in log and 'mIoU' in log
+    assert 'do not match exactly' not in log  # the runner form's checkpoint loads into the model-type form
+
+
+def test_model_type_form_with_a_plain_runner(tmp_path):
+    cfg_path = tmp_path / 'cfg.py'
+    cfg_path.write_text("_base_ = ['mmdet::retinanet/retinanet_r50_fpn_1x_coco.py']\n"
+                        "custom_imports = dict(imports=['normdense'], allow_failed_imports=False)\n"
+                        "model = dict(_delete_=True, type='NormSwitched', norm='bcn-ws', model={{_base_.model}})\n"
+                        "custom_hooks = [dict(type='EstimateRateHook')]\n")
+    cfg = Config.fromfile(str(cfg_path))
+    cfg.model.model.backbone.init_cfg = None
+    cfg.work_dir = str(tmp_path / 'work')
+    from mmengine.runner import Runner
+    plain = Runner.from_cfg(cfg).model  # what mmseg's test.py and init_detector do
+    switched = build_like_codebase_tools(write_config(tmp_path, 'mmdet::retinanet/retinanet_r50_fpn_1x_coco.py',
+                                                      "normdense_norm = 'bcn-ws'\nmodel = dict(backbone=dict(init_cfg=None))"),
+                                         tmp_path).model
+    assert type(plain) is type(switched) and list(plain.state_dict()) == list(switched.state_dict())
+    assert sum(isinstance(m, BatchChannelNorm2d) for m in plain.modules()) == 69
