@@ -28,13 +28,13 @@ Statistics of stage 1:
   with ``momentum``, unbiased variance, as ``nn.BatchNorm``) in eval.
 * ``mode='estimate'`` (OUR extension, not in the paper): stage 1 normalizes with BCN-style estimates
   mu_hat, sigma_hat^2 (init 0 and 1, Algorithm 1 of the WS/BCN paper) that the loss does not train. Each
-  training forward first moves them with rate r (``normdense.layers._estimate.update_estimates_``), then
+  training forward first moves them with rate r (``normdense.layers._estimate``), then
   normalizes with them (once per training iteration, as BCN: a shared layer's calls and an activation
-  checkpoint's recomputation do not move them again); eval uses them unchanged. This removes the batch dependence of stage 1 so the
-  layer trains at batch size 1 on 1x1 maps (stage 2 is per sample anyway). r comes from ``EstimateRateHook``
-  (alias ``BCNRateHook``; the optimizer's current lr, as BCN) or a fixed ``update_rate``, in [0, 1]; a
-  training forward with neither raises ``RuntimeError``. The estimates live in the
-  ``running_mean``/``running_var`` buffers (kept float32 under ``model.half()``/``bfloat16()``); an empty
+  checkpoint's recomputation do not move them again); eval uses them unchanged. This removes the batch
+  dependence of stage 1 so the layer trains at batch size 1 on 1x1 maps (stage 2 is per sample anyway). r
+  comes from ``EstimateRateHook`` (alias ``BCNRateHook``; the optimizer's current lr, as BCN) or a fixed
+  ``update_rate``, in [0, 1]; a training forward with neither raises ``RuntimeError``. The estimates live in
+  the ``running_mean``/``running_var`` buffers (kept float32 under ``model.half()``/``bfloat16()``); an empty
   input (a RoI head with no RoIs) still joins ``sync_stats``'s all-reduce, with a count of 0.
 
 Conventions of the only public implementation (a Keras repository), as options; the defaults are the
