@@ -36,26 +36,15 @@ MODELS.register_module(name='ChannelAffine', module=ChannelAffine)
 HOOKS.register_module(name='NormDiagnosticsHook', module=NormDiagnosticsHook)
 
 # --- Proxy Normalization and IterNorm (PN / IterNorm papers) ---------------------------------------
-# PNResNet subclasses mmseg's ResNet, or mmdet's where mmseg is not installed; with neither, building it
-# raises a one-line error naming the extra to install (normdense itself needs neither).
-from .codebases import MissingCodebase, is_installed  # noqa: E402
+from .codebases import lazy_backbone  # noqa: E402
 from .hooks.proxy_norm_check import ProxyNormCheckHook  # noqa: E402
 from .layers.iternorm import IterNorm  # noqa: E402
 from .layers.proxy_norm import GroupProxyNorm  # noqa: E402
 
-
-def _needs_resnet_codebase(name):
-    def build(*args, **kwargs):
-        raise MissingCodebase(f"{name} subclasses mmseg's or mmdet's ResNet and neither is installed: "
-                              f"pip install 'normdense[seg]' or 'normdense[det]'")
-    build.__name__ = build.__qualname__ = name
-    return build
-
-
-if is_installed('mmseg') or is_installed('mmdet'):
-    from .models.backbones.pn_resnet import PNResNet, PNResNetV1c  # noqa: E402
-else:
-    PNResNet, PNResNetV1c = _needs_resnet_codebase('PNResNet'), _needs_resnet_codebase('PNResNetV1c')
+# PNResNet subclasses mmseg's ResNet (mmdet's without mmseg): importing either takes seconds and needs
+# mmcv's ops, so `import normdense` registers stand-ins that import the backbone on first build (it then
+# registers the real classes in their place); with neither codebase they raise a one-line error.
+PNResNet, PNResNetV1c = lazy_backbone('PNResNet'), lazy_backbone('PNResNetV1c')
 
 MODELS.register_module(name='GNPN', module=GroupProxyNorm)
 MODELS.register_module(name='IterNorm', module=IterNorm)
