@@ -15,6 +15,7 @@ tensors (``torch.serialization.get_unsafe_globals_in_checkpoint`` lists them):
 Every other global is still refused, so a checkpoint that pickles an arbitrary class cannot run code.
 """
 import pickle
+import sys
 
 import numpy as np
 import torch
@@ -160,8 +161,42 @@ def install_safe_loaders():
     so those schemes keep mmengine's name tables, rank-0-first download and torch.hub's cache.
     """
     from mmengine.runner import checkpoint as mm_ckpt
+    _patch_loaders(mm_ckpt)
+
+
+def _patch_loaders(mm_ckpt):
     mm_ckpt.CheckpointLoader.register_scheme(prefixes='', loader=_load_from_local, force=True)
     mm_ckpt.load_url = _load_url
+
+
+class _PatchOnImport:
+    """A ``sys.meta_path`` finder that applies :func:`_patch_loaders` right after mmengine.runner.checkpoint
+    is executed: every load still goes through the safe loaders, and ``import normdense`` does not pay the
+    ~1 s import of mmengine.runner (torch.distributed) that most uses of the layers never need."""
+    name = 'mmengine.runner.checkpoint'
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        import importlib.util
+        sys.meta_path.remove(self)  # once; the real finders locate the module
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, 'exec_module'):
+            exec_module = spec.loader.exec_module
+
+            def exec_and_patch(module):
+                exec_module(module)
+                _patch_loaders(module)
+            spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+def install_safe_loaders_on_import():
+    """:func:`install_safe_loaders` now if mmengine.runner.checkpoint is imported, else when it is."""
+    if _PatchOnImport.name in sys.modules:
+        install_safe_loaders()
+    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
 
 
 def read_checkpoint(path, map_location='cpu', logger='current'):

@@ -70,16 +70,3 @@ def read_config(path: str) -> Config:
             raise
         raise MissingCodebase(missing_message(package, f'config {path}')) from None
 
-
-def lazy_backbone(name: str):
-    """A registry stand-in for ``normdense.models.backbones.pn_resnet.<name>``, which subclasses mmseg's
-    ResNet (mmdet's without mmseg): the module is imported on the first build, not by ``import normdense``,
-    and registers the real class in the stand-in's place."""
-    def build(*args, **kwargs):
-        if not (is_installed('mmseg') or is_installed('mmdet')):
-            raise MissingCodebase(f"{name} subclasses mmseg's or mmdet's ResNet and neither is installed: "
-                                  f"pip install 'normdense[seg]' or 'normdense[det]'")
-        module = require('normdense.models.backbones.pn_resnet', name)
-        return getattr(module, name)(*args, **kwargs)
-    build.__name__ = build.__qualname__ = name
-    return build

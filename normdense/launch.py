@@ -42,6 +42,8 @@ def codebase_of(cfg):
     if scope not in SUPPORTED_SCOPES:
         raise ValueError(f"config default_scope={scope!r} is not one of {SUPPORTED_SCOPES}")
     codebases.require(scope, f'a config with default_scope={scope!r}')
+    if scope != 'mmengine':  # its models register now; a failing mmcv op library is one line here
+        codebases.require(f'{scope}.models', f'a config with default_scope={scope!r}')
     return scope
 
 

@@ -219,7 +219,3 @@ class PNResNetV1c(PNResNet):
     def __init__(self, **kwargs):
         super().__init__(deep_stem=True, avg_down=False, **kwargs)
 
-
-# replaces the stand-ins normdense.registry registers (imported on the first build, see codebases.lazy_backbone)
-MODELS.register_module(name='PNResNet', module=PNResNet, force=True)
-MODELS.register_module(name='PNResNetV1c', module=PNResNetV1c, force=True)
