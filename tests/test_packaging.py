@@ -222,3 +222,10 @@ def test_self_check_fails_in_one_line_on_mmcv_built_for_another_torch(wheel, tmp
     (line,) = out.stderr.splitlines()
     assert line.startswith('normdense self-check FAILED: ') and '--no-cache-dir --no-binary mmcv' in line
     assert 'mim install' in line
+    # make install's check before it keeps an mmcv (pip's cached wheel is this build): rejected here, kept
+    # under the torch it was built for
+    mmcv_ok = ('eval "$(sed -n \'/^mmcv_ok() {/,/^}/p\' scripts/install.sh)"; PY="$1"; mmcv_ok')
+    for python, expected in ((venv / 'bin' / 'python', 1), (sys.executable, 0)):
+        check = subprocess.run(['bash', '-c', mmcv_ok, 'mmcv_ok', str(python)], cwd=ROOT, env=_offline_env(),
+                               capture_output=True, text=True, timeout=300)
+        assert check.returncode == expected, (python, check.stdout, check.stderr)
