@@ -8,9 +8,11 @@ import os
 import sys
 from typing import Callable, Optional
 
+from .version import mmcv_maximum_version, mmcv_minimum_version
+
 DEBUG_ENV = 'NORMDENSE_DEBUG'
 
-MMCV_RANGE = 'mmcv>=2.0.0,<2.2.0'
+MMCV_RANGE = f'mmcv>={mmcv_minimum_version},<{mmcv_maximum_version}'
 MMCV_REBUILD = ('rebuild it for this torch: pip install --no-cache-dir --no-binary mmcv --no-build-isolation '
                 f'"{MMCV_RANGE}" (or FORCE=1 make install), or use OpenMMLab\'s prebuilt wheel for your '
                 f'torch/CUDA: pip install -U openmim && mim install "{MMCV_RANGE}"')
