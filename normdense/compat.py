@@ -56,9 +56,8 @@ def installed_versions() -> Dict[str, Optional[str]]:
         try:
             module = __import__(name)
         except ModuleNotFoundError as e:
-            if e.name != name and not (e.name in found and found[e.name] is None):
+            if e.name != name:
                 raise
-            # not installed, or (mmengine, mmcv) needing the torch that is missing: torch's line says it
             found[name] = None
         else:
             found[name] = module.__version__
@@ -68,8 +67,6 @@ def installed_versions() -> Dict[str, Optional[str]]:
 def check_core_versions(versions: Optional[Dict[str, Optional[str]]] = None) -> None:
     """Raise ``ImportError`` (one line per unsupported package) unless every core package is in range."""
     versions = installed_versions() if versions is None else versions
-    # torch first: pip no longer installs it with normdense, and mmengine/mmcv cannot import without it
-    names = ['torch'] if versions.get('torch') is None else list(SUPPORTED)
-    problems = [p for p in (version_problem(name, versions.get(name)) for name in names) if p]
+    problems = [p for p in (version_problem(name, versions.get(name)) for name in SUPPORTED) if p]
     if problems:
         raise ImportError('\n'.join(problems))

@@ -156,3 +156,11 @@ def test_ops_problem_messages_are_one_line():
     assert 'mmcv-lite' in errors.mmcv_ops_problem(lite)
     assert errors.mmcv_ops_problem(ValueError('nms_impl: implementation for device')) is None
     assert self_check.ops_run_problem(['cpu']) is None  # the pinned stack's ops run
+
+
+def test_missing_torch_is_named_alone(tmp_path):
+    """pip no longer installs torch with normdense: without it, the import names torch (mmengine and mmcv,
+    which import torch themselves, are not reported as broken)."""
+    out = run_python('import normdense', tmp_path, blocked={'torch'})
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 1 and last.startswith('ImportError: normdense needs torch>=2.1.0'), out.stderr
