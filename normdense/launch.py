@@ -247,7 +247,8 @@ def _common_args(parser):
     parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'], default='none',
                         help='job launcher')
     parser.add_argument('--debug', action='store_true',
-                        help='(normdense) show the traceback of a known error instead of one line (or NORMDENSE_DEBUG=1)')
+                        help='(normdense) show the traceback of a known error instead of one line '
+                             '(or NORMDENSE_DEBUG=1)')
     # torch.distributed.launch passes --local-rank from torch 2.0 on, --local_rank before
     parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
 

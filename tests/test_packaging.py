@@ -132,7 +132,8 @@ def test_wheel_carries_configs_tools_and_license(wheel, tmp_path):
                    for f in fs if f.endswith(('.py', '.sh', '.md'))}
         assert shipped and {f'normdense/.mim/{folder}/{f}' for f in shipped} <= names
     # the configs' READMEs (the README's config table links them)
-    assert {f'normdense/.mim/configs/{c}/README.md' for c in ('mask_rcnn', 'faster_rcnn', 'deeplabv3', 'imagenet')} <= names
+    families = ('mask_rcnn', 'faster_rcnn', 'deeplabv3', 'imagenet')
+    assert {f'normdense/.mim/configs/{c}/README.md' for c in families} <= names
     (license_file,) = [n for n in names if n.endswith('.dist-info/LICENSE')]
     assert 'Apache License' in zipfile.ZipFile(wheel).read(license_file).decode()
     assert _metadata(wheel)['License'] == 'Apache-2.0'
@@ -208,8 +209,12 @@ def test_self_check_fails_in_one_line_on_mmcv_built_for_another_torch(wheel, tmp
     (site,) = venv.glob('lib/python3*/site-packages')
     # the pinned stack behind the venv's own site-packages (its .pth files, e.g. editable installs, are not run)
     (site / 'pinned_stack.pth').write_text(osp.dirname(osp.dirname(mmcv.__file__)) + '\n')
+    # mmcv: the wheel pip cached when `make install` built it (else the same build, installed in the pinned stack)
+    cached = subprocess.run([sys.executable, '-m', 'pip', 'cache', 'list', 'mmcv', '--format=abspath'],
+                            env=_offline_env(), capture_output=True, text=True).stdout.split()
+    wheels = [whl] + [w for w in cached if osp.basename(w).startswith(f'mmcv-{mmcv.__version__}-')][:1]
     subprocess.run([sys.executable, '-m', 'pip', '--python', str(venv / 'bin' / 'python'), 'install', '-q',
-                    '--no-deps', '--no-index', '--no-compile', whl], check=True, env=_offline_env())
+                    '--no-deps', '--no-index', '--no-compile', *wheels], check=True, env=_offline_env())
     with zipfile.ZipFile(wheel) as z:
         z.extractall(tmp_path / 'normdense_site')
     env = dict(_offline_env(), PYTHONPATH=str(tmp_path / 'normdense_site'))
@@ -218,6 +223,7 @@ def test_self_check_fails_in_one_line_on_mmcv_built_for_another_torch(wheel, tmp
                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
     first = out.stdout.splitlines()[0] if out.stdout else ''
     assert first.startswith('2.13.0') and str(tmp_path / 'normdense_site') in first, out.stdout + out.stderr
+    assert 'mmcv             2.1.0 (ops: CPU' in out.stdout, out.stdout  # imports: only running an op tells
     assert out.returncode == 1, out.stdout + out.stderr
     (line,) = out.stderr.splitlines()
     assert line.startswith('normdense self-check FAILED: ') and '--no-cache-dir --no-binary mmcv' in line
