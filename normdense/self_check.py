@@ -69,11 +69,9 @@ def ops_device(gpu_available: bool, mmcv_cuda: Optional[str]) -> str:
 def _version(module_name: str) -> str:
     try:
         module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name != module_name:
-            raise
-        return 'not installed'
     except Exception as e:  # noqa: BLE001  (e.g. torchvision built for another torch): report, go on
+        if isinstance(e, ModuleNotFoundError) and e.name == module_name:
+            return 'not installed'
         return f'installed, import fails: {type(e).__name__}: {(str(e).splitlines() or [""])[0][:120]}'
     version = getattr(module, '__version__', None)
     return version or importlib.metadata.version(module_name)
@@ -118,9 +116,10 @@ def main(argv=None) -> int:
     elif mmcv_cuda is not None:
         problem = (cuda_ops_problem(gpu, torch.version.cuda, mmcv_cuda)
                    or ops_run_problem(['cpu'] + (['cuda'] if gpu and mmcv_cuda != NO_CUDA else [])))
-    missing = [name for name, version in rows if version == 'not installed']
+    missing = [name for name, version in rows if version == 'not installed' or version.startswith('installed, import')]
     if args.all and missing and not problem:
-        problem = f'not installed: {", ".join(missing)} (make install installs them; FORCE=1 make install)'
+        problem = (f'not installed or failing to import: {", ".join(missing)} (make install installs them; '
+                   'FORCE=1 make install)')
     if problem:
         print(f'normdense self-check FAILED: {problem}', file=sys.stderr)
         return 1

@@ -187,42 +187,63 @@ def test_self_check_fails_when_a_gpu_meets_cpu_only_mmcv_ops():
     assert 'compiled for CUDA 11.8' in cuda_ops_problem(True, '12.1', '11.8')
 
 
-def _local_torch_wheel():
-    """The local torch 2.13.0 CPU wheel of this machine kind (NORMDENSE_TORCH_WHEEL overrides)."""
-    found = [os.environ['NORMDENSE_TORCH_WHEEL']] if os.environ.get('NORMDENSE_TORCH_WHEEL') else []
-    return (found + sorted(glob.glob('/opt/wheels/torch-2.13.0*cp311*.whl')) + [None])[0]
+def _local_wheel(pattern, env_var):
+    """A wheel this machine kind holds (the local torch CPU wheel, pip's local index files); ``env_var``
+    overrides. No download: None when absent."""
+    found = [os.environ[env_var]] if os.environ.get(env_var) else []
+    return (found + sorted(glob.glob(f'/opt/wheels/{pattern}')) + sorted(glob.glob(f'/opt/pypi/files/{pattern}'))
+            + [None])[0]
 
 
-@pytest.mark.slow
-def test_self_check_fails_in_one_line_on_mmcv_built_for_another_torch(wheel, tmp_path):
-    """A throwaway venv: torch 2.13.0 (the local CPU wheel) over the pinned stack, whose mmcv was built for
-    torch 2.12.1 by `make install` (the wheel pip caches), with normdense from its wheel, run from outside
-    the checkout. The ops import but do not run there (issue 28): the self-check must say so in one line."""
+# what the throwaway venv does not take from the pinned stack (distribution and top-level names)
+_NOT_LINKED = {'torch', 'torchgen', 'functorch', 'torchvision', 'triton', 'setuptools', 'pkg_resources',
+               '_distutils_hack', 'distutils', 'normdense', 'pip'}
+
+
+@pytest.fixture(scope='module')
+def user_venv(wheel, tmp_path_factory):
+    """A throwaway venv as issue 28's user had: torch 2.13.0 (the local CPU wheel) over the pinned stack,
+    whose mmcv was built for torch 2.12.1 by `make install` (the wheel pip caches: taken from the cache when
+    there), and normdense from its wheel (not editable). Returns (python, PYTHONPATH of normdense)."""
     import mmcv
     import torch
-    whl = _local_torch_wheel()
+    whl = _local_wheel('torch-2.13.0*cp311*.whl', 'NORMDENSE_TORCH_WHEEL')
     if whl is None or sys.version_info[:2] != (3, 11):
         pytest.skip('needs the local torch 2.13.0 CPU wheel for Python 3.11 (/opt/wheels or NORMDENSE_TORCH_WHEEL)')
     assert not torch.__version__.startswith('2.13'), 'the pinned stack must run another torch than 2.13'
-    venv = tmp_path / 'venv'
+    tmp = tmp_path_factory.mktemp('user_venv')
+    venv = tmp / 'venv'
     subprocess.run([sys.executable, '-m', 'venv', '--without-pip', str(venv)], check=True)
     (site,) = venv.glob('lib/python3*/site-packages')
-    # the pinned stack behind the venv's own site-packages (its .pth files, e.g. editable installs, are not run)
-    (site / 'pinned_stack.pth').write_text(osp.dirname(osp.dirname(mmcv.__file__)) + '\n')
-    # mmcv: the wheel pip cached when `make install` built it (else the same build, installed in the pinned stack)
+    # the pinned stack's other packages, linked into a folder the venv puts on its path (after its own
+    # site-packages): not its torch, its setuptools (pkg_resources) or its editable normdense
+    pinned, stack = osp.dirname(osp.dirname(mmcv.__file__)), tmp / 'stack'
+    stack.mkdir()
+    for name in os.listdir(pinned):
+        if not name.split('-')[0].split('.')[0].lower() in _NOT_LINKED and not name.startswith('__editable__'):
+            (stack / name).symlink_to(osp.join(pinned, name))
+    (site / 'pinned_stack.pth').write_text(f'{stack}\n')
     cached = subprocess.run([sys.executable, '-m', 'pip', 'cache', 'list', 'mmcv', '--format=abspath'],
                             env=_offline_env(), capture_output=True, text=True).stdout.split()
     wheels = [whl] + [w for w in cached if osp.basename(w).startswith(f'mmcv-{mmcv.__version__}-')][:1]
     subprocess.run([sys.executable, '-m', 'pip', '--python', str(venv / 'bin' / 'python'), 'install', '-q',
                     '--no-deps', '--no-index', '--no-compile', *wheels], check=True, env=_offline_env())
     with zipfile.ZipFile(wheel) as z:
-        z.extractall(tmp_path / 'normdense_site')
-    env = dict(_offline_env(), PYTHONPATH=str(tmp_path / 'normdense_site'))
-    out = subprocess.run([str(venv / 'bin' / 'python'), '-c', 'import torch, normdense; print(torch.__version__, '
+        z.extractall(tmp / 'normdense_site')
+    return venv / 'bin' / 'python', str(tmp / 'normdense_site')
+
+
+@pytest.mark.slow
+def test_self_check_fails_in_one_line_on_mmcv_built_for_another_torch(user_venv, tmp_path):
+    """mmcv's ops import there but do not run (issue 28): the self-check, run from outside the checkout,
+    must say so in one line; so must make install's check before it keeps an mmcv."""
+    python, site = user_venv
+    env = dict(_offline_env(), PYTHONPATH=site)
+    out = subprocess.run([str(python), '-c', 'import torch, normdense; print(torch.__version__, '
                           'normdense.__file__); from normdense.self_check import main; raise SystemExit(main())'],
                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
     first = out.stdout.splitlines()[0] if out.stdout else ''
-    assert first.startswith('2.13.0') and str(tmp_path / 'normdense_site') in first, out.stdout + out.stderr
+    assert first.startswith('2.13.0') and site in first, out.stdout + out.stderr
     assert 'mmcv             2.1.0 (ops: CPU' in out.stdout, out.stdout  # imports: only running an op tells
     assert out.returncode == 1, out.stdout + out.stderr
     (line,) = out.stderr.splitlines()
@@ -231,7 +252,29 @@ def test_self_check_fails_in_one_line_on_mmcv_built_for_another_torch(wheel, tmp
     # make install's check before it keeps an mmcv (pip's cached wheel is this build): rejected here, kept
     # under the torch it was built for
     mmcv_ok = ('eval "$(sed -n \'/^mmcv_ok() {/,/^}/p\' scripts/install.sh)"; PY="$1"; mmcv_ok')
-    for python, expected in ((venv / 'bin' / 'python', 1), (sys.executable, 0)):
-        check = subprocess.run(['bash', '-c', mmcv_ok, 'mmcv_ok', str(python)], cwd=ROOT, env=_offline_env(),
+    for py, expected in ((python, 1), (sys.executable, 0)):
+        check = subprocess.run(['bash', '-c', mmcv_ok, 'mmcv_ok', str(py)], cwd=ROOT, env=_offline_env(),
                                capture_output=True, text=True, timeout=300)
-        assert check.returncode == expected, (python, check.stdout, check.stderr)
+        assert check.returncode == expected, (py, check.stdout, check.stderr)
+
+
+@pytest.mark.slow
+def test_setuptools_without_pkg_resources_stops_the_tool_in_one_line(user_venv, tmp_path):
+    """The same venv after `pip install torch==2.13.0` brought setuptools >= 81 (this machine's local
+    setuptools wheel, shadowing the pinned stack's): a `mmseg::` config stops with the fix, in one line."""
+    python, site = user_venv
+    setuptools = _local_wheel('setuptools-8[1-9]*.whl', 'NORMDENSE_SETUPTOOLS_WHEEL')
+    if setuptools is None:
+        pytest.skip('needs a local setuptools >= 81 wheel (/opt/pypi/files or NORMDENSE_SETUPTOOLS_WHEEL)')
+    target = tmp_path / 'setuptools'
+    subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '--no-deps', '--no-index', '--no-compile',
+                    '--target', str(target), setuptools], check=True, env=_offline_env())
+    env = dict(_offline_env(), PYTHONPATH=os.pathsep.join([site, str(target)]))
+    out = subprocess.run([str(python), '-c', 'import pkg_resources'], env=env, capture_output=True, text=True)
+    assert out.returncode == 1 and "No module named 'pkg_resources'" in out.stderr, out.stderr
+    config = 'configs/demo/deeplabv3_r18-d8_bcn-ws_toy-voc.py'
+    out = subprocess.run([str(python), '-m', 'normdense.tools', 'train', config], cwd=str(tmp_path), env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    (line,) = out.stderr.splitlines()
+    assert line.startswith('train.py: error: ') and 'pip install "setuptools<81"' in line
