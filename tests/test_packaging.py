@@ -234,6 +234,19 @@ def user_venv(wheel, tmp_path_factory):
 
 
 @pytest.mark.slow
+def test_pip_installs_normdense_seg_into_that_venv_without_touching_its_stack(user_venv, wheel, tmp_path):
+    python, _ = user_venv
+    _fake_wheel(wheel.parent, 'setuptools', '80.9.0')  # the venv has no setuptools: normdense asks for <81
+    report = tmp_path / 'report.json'
+    result = subprocess.run([sys.executable, '-m', 'pip', '--python', str(python), 'install', '--dry-run', '--no-index',
+                             '--find-links', str(wheel.parent), '--report', str(report), 'normdense[seg]'],
+                            env=_offline_env(), capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    installs = {i['metadata']['name']: i['metadata']['version'] for i in json.loads(report.read_text())['install']}
+    assert installs == {'normdense': nd_version.__version__, 'setuptools': '80.9.0'}
+
+
+@pytest.mark.slow
 def test_self_check_fails_in_one_line_on_mmcv_built_for_another_torch(user_venv, tmp_path):
     """mmcv's ops import there but do not run (issue 28): the self-check, run from outside the checkout,
     must say so in one line; so must make install's check before it keeps an mmcv."""
