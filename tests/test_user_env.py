@@ -164,3 +164,14 @@ def test_missing_torch_is_named_alone(tmp_path):
     out = run_python('import normdense', tmp_path, blocked={'torch'})
     last = out.stderr.strip().splitlines()[-1]
     assert out.returncode == 1 and last.startswith('ImportError: normdense needs torch>=2.1.0'), out.stderr
+
+
+@pytest.mark.parametrize('blocked,rc', [({'mmcv._ext'}, 1), ({'mmcv._ext', 'mmdet', 'mmseg', 'mmpretrain'}, 0)])
+def test_self_check_on_mmcv_lite(tmp_path, blocked, rc):
+    """mmcv-lite is enough for normdense's layers (exit 0), not for mmdet / mmseg (one line naming mim)."""
+    out = run_python("import runpy\nrunpy.run_module('normdense.self_check', run_name='__main__')", tmp_path, blocked)
+    assert out.returncode == rc, out.stdout + out.stderr
+    assert 'ops: none (mmcv-lite' in out.stdout
+    if rc:
+        (line,) = out.stderr.splitlines()
+        assert "mmdet and mmseg need mmcv's compiled ops" in line and 'mim install' in line
