@@ -160,8 +160,18 @@ def install_safe_loaders():
     so those schemes keep mmengine's name tables, rank-0-first download and torch.hub's cache.
     """
     from mmengine.runner import checkpoint as mm_ckpt
+    _patch_loaders(mm_ckpt)
+
+
+def _patch_loaders(mm_ckpt):
     mm_ckpt.CheckpointLoader.register_scheme(prefixes='', loader=_load_from_local, force=True)
     mm_ckpt.load_url = _load_url
+
+
+def install_safe_loaders_on_import():
+    """:func:`install_safe_loaders` now if mmengine.runner.checkpoint is imported, else when it is."""
+    from .lazy import patch_on_import
+    patch_on_import('mmengine.runner.checkpoint', _patch_loaders)
 
 
 def read_checkpoint(path, map_location='cpu', logger='current'):
