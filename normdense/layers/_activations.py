@@ -2,12 +2,12 @@
 mmcv-style ``act_cfg`` dict into (canonical name, keyword arguments). Functional (torch only): the layer
 applies phi both to its input and to the proxy samples."""
 import functools
-from typing import Callable, Dict, Tuple, Union
+from typing import Dict, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ['PROXY_NORM_ACTIVATIONS', 'resolve_activation', 'activation_fn']
+__all__ = ['PROXY_NORM_ACTIVATIONS', 'resolve_activation', 'activation', 'Activation']
 
 # canonical name -> (function, default keyword arguments it accepts)
 PROXY_NORM_ACTIVATIONS: Dict[str, Tuple[object, dict]] = {
@@ -64,17 +64,6 @@ def resolve_activation(act: Union[str, dict]) -> Tuple[str, dict]:
         raise ValueError(f'GNPN: activation {key!r} does not accept {sorted(unknown)}; '
                          f'accepted arguments: {sorted(allowed) or "none"}')
     return key, {**allowed, **kwargs}
-
-
-def activation_fn(name: str, kwargs: dict) -> Callable:
-    """phi as one callable per (name, arguments): the same object for equal configurations, so the fused
-    path's compiled kernels (keyed by it) compile once per activation, not once per layer."""
-    return _activation_fn(name, tuple(sorted(kwargs.items())))
-
-
-@functools.lru_cache(maxsize=None)
-def _activation_fn(name, items):
-    return functools.partial(PROXY_NORM_ACTIVATIONS[name][0], **dict(items))
 
 
 class Activation:

@@ -7,7 +7,7 @@ compiler (CPU: inductor's C++ backend, a C++ compiler; CUDA: Triton).
 Each kernel is one pass, with t = x - m formed inside it: forward y = K act(A t + B) + L; the
 backward's sums over positions of g t, g, dy act(A t + B), dy with g = dy K act'(A t + B) in one
 reduction; dx = A g + c1 t + c0 in one elementwise pass (act' through torch.func.vjp, so every activation of ``_activations.py`` works). If
-compiling or running a compiled kernel fails, a warning says why and the eager kernels take over for
+compiling or running a compiled kernel fails, a warning says why and the ATen kernels take over for
 the rest of the process: never an error from an opt-in speed-up.
 """
 import warnings
@@ -22,7 +22,7 @@ _BROKEN: Dict[str, str] = {}  # set once torch.compile failed: the reason
 
 def _kernels(activation):
     act = None if activation is None else activation.forward
-    # x (N, C, L), m and the coefficients (N, C, 1); t = x - m inside each kernel (see EagerKernels)
+    # x (N, C, L), m and the coefficients (N, C, 1); t = x - m inside each kernel (see _fused.AtenKernels)
     if act is None:
         def forward(x, m, a, b):
             return a * (x - m) + b

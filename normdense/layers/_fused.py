@@ -174,11 +174,3 @@ class AtenKernels:
         scale = coeffs[0] if self.act is None else coeffs[2] * coeffs[0]
         return apply(x3, m, c1, c0).addcmul_(state, scale.unsqueeze(2))
 
-
-def group_moments(m: torch.Tensor, v: torch.Tensor, groups: int):
-    """Per-(n, g) mean and biased variance from the per-(n, c) moments (law of total variance: no
-    E[x^2] - E[x]^2 cancellation)."""
-    n = m.shape[0]
-    mg, vg = m.reshape(n, groups, -1), v.reshape(n, groups, -1)
-    mean = mg.mean(2)
-    return mean, (vg + (mg - mean.unsqueeze(2)).square()).mean(2)

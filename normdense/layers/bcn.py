@@ -45,8 +45,9 @@ Integration choices (documented in the README):
 * The channel-norm affine is per group (Eq. 42 and the authors' release, shape (G,)); ``group_affine=
   False`` makes it per channel (shape (C,)).
 * ``fused=True`` (default) computes both stages as one map per (sample, channel) from the per-(n, c)
-  moments of x, with an analytic backward that keeps only x (``normdense/layers/_fused.py``): one
-  reduction and one elementwise pass, like nn.GroupNorm. ``fused=False`` is the reference composition
+  moments of x (``coeff_map``), with its closed-form VJP (``coeff_vjp``) and a backward that keeps only x
+  (the StatNorm engine, ``normdense/layers/_statnorm.py``): one reduction and one elementwise pass, like
+  nn.GroupNorm. ``fused=False`` is the reference composition
   (an affine, then ``F.group_norm``) that the tests compare the fused path against.
 * ``recompute=True`` is deprecated: the fused path already keeps only the input. It still applies to
   ``fused=False`` (keep only the input, recompute both stages in backward, ``_recompute.py``).

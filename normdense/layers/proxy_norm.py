@@ -23,7 +23,7 @@ activations phi are listed in ``normdense/layers/_activations.py``.
 
 ``fused=True`` (default) computes the layer as ``K phi(A x + B) + L`` with per-(sample, channel) A, B (GN
 and its affine) and per-channel K, L (the proxy moments), from the per-(n, c) moments of x, with an
-analytic backward that keeps only x (``normdense/layers/_fused.py``). ``fused=False`` is the reference
+closed-form backward that keeps only x (``normdense/layers/_statnorm.py``). ``fused=False`` is the reference
 composition below (``F.group_norm``, phi, proxy normalization) that the tests compare it against.
 
 ``recompute=True`` is deprecated (the fused path keeps only the input); with ``fused=False`` it keeps only

@@ -47,7 +47,7 @@ paper's:
   m / (m - 1 - eps), m = N*H*W values per channel (running statistics are unchanged).
 
 ``fused=True`` (default) computes both stages as one map A x + B per (sample, channel) from the per-(n, c)
-moments of x, with an analytic backward that keeps only x (``normdense/layers/_fused.py``); ``fused=False``
+moments of x, with a closed-form backward that keeps only x (``normdense/layers/_statnorm.py``); ``fused=False``
 is the reference composition below, which the tests compare it against. ``recompute=True`` is deprecated
 (the fused path keeps only the input); with ``fused=False`` it keeps only the input and recomputes both
 stages in backward (``normdense/layers/_recompute.py``).
