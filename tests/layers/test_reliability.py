@@ -49,6 +49,23 @@ def test_empty_ranks_join_every_collective_and_keep_statistics_finite(tmp_path):
             torch.testing.assert_close(ranks[0][name][n], b, msg=f'{name} {n}')
         assert not torch.equal(ranks[0][name]['running_mean'], torch.zeros(dist_empty_worker.C))
 
+    # 2. one rank empty in batch mode, sync_stats: rank 0 takes the reference path, rank 1 the fused one (with
+    # its closed-form backward's all-reduces); rank 1 equals one process on its samples, and both ranks track
+    # the same running statistics
+    name = 'bcn_batch_one_empty'
+    ref = dist_empty_worker.layers()[name].train()
+    x = dist_empty_worker.rank_batch(1).requires_grad_(True)
+    out = ref(x)
+    (out * dist_empty_worker.loss_weight(out)).sum().backward()
+    got = ranks[1][name]
+    torch.testing.assert_close(got['out'], out.detach())
+    torch.testing.assert_close(got['grad_x'], x.grad, rtol=1e-4, atol=1e-5)
+    for n, p in ref.named_parameters():  # rank 0 adds nothing: no samples
+        torch.testing.assert_close(got['grad_' + n] + ranks[0][name]['grad_' + n], p.grad, rtol=1e-4, atol=1e-5)
+    for n, b in ref.named_buffers():
+        assert torch.equal(ranks[0][name][n], got[n]), n
+        torch.testing.assert_close(got[n], b, msg=f'{name} {n}')
+
     # 3. every rank empty in batch mode: the running statistics stay as they were, never 0/0
     stats = ranks[0]['bcn_batch_all_empty']
     assert torch.equal(stats['running_mean'], torch.zeros(dist_empty_worker.C))
