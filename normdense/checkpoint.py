@@ -19,6 +19,8 @@ import pickle
 import numpy as np
 import torch
 
+from .errors import UserFixable
+
 
 def _numpy_multiarray():
     # numpy 2 pickles through numpy._core; numpy 1 through numpy.core
@@ -201,7 +203,7 @@ def check_checkpoint_path(path, what='checkpoint'):
 # --------------------------------------------------------------------------------------------------
 # Strict loads: which tensors a checkpoint leaves at their initialization
 # --------------------------------------------------------------------------------------------------
-class CheckpointMismatchError(RuntimeError):
+class CheckpointMismatchError(UserFixable, RuntimeError):
     """A checkpoint whose keys or shapes do not cover the model (a strict load refuses it)."""
 
 

@@ -10,7 +10,7 @@ import warnings
 
 from mmengine.config import Config
 
-from .errors import PKG_RESOURCES_FIX, MmcvOpsError, SetupError, mmcv_ops_problem
+from .errors import PKG_RESOURCES_FIX, MmcvOpsError, SetupError, UserFixable, mmcv_ops_problem
 
 # import name -> (distribution name, normdense extra)
 CODEBASES = {
@@ -20,7 +20,7 @@ CODEBASES = {
 }
 
 
-class MissingCodebase(ImportError):
+class MissingCodebase(UserFixable, ImportError):
     """An OpenMMLab codebase a config or layer needs is not installed (one-line message with the fix)."""
 
 

@@ -22,7 +22,13 @@ PKG_RESOURCES_FIX = ("mmengine needs pkg_resources to resolve 'mmdet::' / 'mmseg
                      'setuptools >= 81 no longer has it: pip install "setuptools<81"')
 
 
-class SetupError(ImportError):
+class UserFixable:
+    """Mixed into the exception classes whose message names the fix (a missing codebase, a config or data
+    problem, a checkpoint that does not fit): the tools print them as one line. A mixin here, so this module
+    imports none of the modules that define them."""
+
+
+class SetupError(UserFixable, ImportError):
     """Something the environment lacks (one-line message naming the install that fixes it)."""
 
 
@@ -56,9 +62,6 @@ def _is_missing(exc: BaseException, module: str) -> bool:
 
 def known_error(exc: BaseException) -> Optional[str]:
     """The one-line message of an error a user can fix, or None for anything else."""
-    from .checkpoint import CheckpointMismatchError
-    from .codebases import MissingCodebase
-    from .config_check import ConfigError
     seen = set()
     while exc is not None and id(exc) not in seen:  # the cause of a re-raised error counts too
         seen.add(id(exc))
@@ -67,7 +70,7 @@ def known_error(exc: BaseException) -> Optional[str]:
         problem = mmcv_ops_problem(exc)
         if problem:
             return problem
-        if isinstance(exc, (SetupError, MissingCodebase, ConfigError, CheckpointMismatchError, FileNotFoundError)):
+        if isinstance(exc, (UserFixable, FileNotFoundError)):
             return ' '.join(str(exc).split('\n'))  # missing codebase / data / checkpoint / config, unknown type
         exc = exc.__cause__ or exc.__context__
     return None
