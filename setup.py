@@ -1,7 +1,8 @@
 """normdense's package metadata (PEP 517 through setuptools, see pyproject.toml).
 
-Dependencies are the *ranges* normdense supports (read from normdense/version.py); the exact stack that
-`make install` and CI use is pinned in requirements/constraints.txt, not here. mmdet, mmsegmentation and
+Dependencies are the *ranges* normdense supports (read from normdense/version.py); torch and mmcv are
+checked at import, never installed (see install_requires). The exact stack that `make install` and CI use
+is pinned in requirements/constraints.txt, not here. mmdet, mmsegmentation and
 mmpretrain are extras: `pip install "normdense[det]"` / `[seg]` / `[pretrain]` / `[all]`.
 """
 import os
@@ -27,11 +28,13 @@ def read_requirements(path):
 
 
 def install_requires(v):
-    # mmcv: OpenMMLab's prebuilt wheels (`mim install mmcv==2.1.0`) or a source build with ops
-    # (scripts/install.sh); a plain `pip install mmcv` builds it from source.
-    return [f"torch>={v['torch_minimum_version']}",
-            f"mmengine>={v['mmengine_minimum_version']},<{v['mmengine_maximum_version']}",
-            f"mmcv>={v['mmcv_minimum_version']},<{v['mmcv_maximum_version']}",
+    # torch and mmcv are the user's, as for mmdet: mmcv's ops must be built for that torch and CUDA
+    # (OpenMMLab's prebuilt wheels: `mim install "mmcv>=2.0.0,<2.2.0"`), and pip would otherwise add an
+    # mmcv beside mmcv-lite or reuse a cached wheel built for another torch. `import normdense` checks both
+    # (normdense/compat.py). setuptools<81: mmengine 0.10.x imports pkg_resources (dropped in 81) to
+    # resolve `mmdet::` / `mmseg::` base configs.
+    return [f"mmengine>={v['mmengine_minimum_version']},<{v['mmengine_maximum_version']}",
+            'setuptools<81',
             'numpy>=1.24',
             'Pillow']
 
@@ -78,7 +81,8 @@ if __name__ == '__main__':
         packages=find_packages(exclude=('tests', 'tests.*', 'configs', 'configs.*', 'tools', 'tools.*',
                                         'benchmarks', 'benchmarks.*')),
         include_package_data=True,
-        package_data={'normdense': ['.mim/configs/**/*.py', '.mim/tools/*.py', '.mim/tools/*.sh']},
+        package_data={'normdense': ['.mim/configs/**/*.py', '.mim/configs/**/*.md', '.mim/tools/*.py',
+                                    '.mim/tools/*.sh']},
         python_requires='>=3.9',
         install_requires=install_requires(version),
         extras_require=EXTRAS,

@@ -133,9 +133,11 @@ def saved_activation_bytes(fn: Callable[[], torch.Tensor], exclude: List[torch.T
 
 
 def device_times(fns: Dict[str, Callable[[], None]], repeats: int, warmup: int, device: str) -> Dict[str, List[float]]:
-    """``interleaved_times`` for an accelerator: each call is timed with CUDA events on the current stream
-    (the GPU time between them, not the host's launch time); one synchronization per round, none inside a
-    timed call. On the CPU it is ``interleaved_times``. Seconds, like ``interleaved_times``."""
+    """``interleaved_times`` for an accelerator, synchronized per call: the device is idle when a call starts
+    and the call's time runs until its last kernel has finished (host clock around ``fn(); synchronize()``).
+    So the host's launch overhead is counted: a layer of 100 small kernels costs what it costs in a training
+    step, not the GPU time of its kernels alone (timing a queue of back-to-back calls with CUDA events hides
+    the launches behind the previous call's work). On the CPU it is ``interleaved_times``. Seconds."""
     if device == 'cpu':
         return interleaved_times(fns, repeats, warmup)
     names = list(fns)
@@ -146,14 +148,10 @@ def device_times(fns: Dict[str, Callable[[], None]], repeats: int, warmup: int, 
     times = {n: [] for n in names}
     for r in range(repeats):
         k = r % len(names)
-        events = []
         for n in names[k:] + names[:k]:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
             fns[n]()
-            end.record()
-            events.append((n, start, end))
-        torch.cuda.synchronize()
-        for n, start, end in events:
-            times[n].append(start.elapsed_time(end) / 1e3)
+            torch.cuda.synchronize()
+            times[n].append(time.perf_counter() - t0)
     return times

@@ -5,8 +5,10 @@ eigh-based ZCA whitening of the same groups; peak memory per layer.
     python benchmarks/gpu.py                       # on a CUDA machine: writes benchmarks/results/gpu_<device>.json
     python benchmarks/gpu.py --device cpu --quick  # no GPU: the whole code path on tiny shapes (no measurement)
 
-Timing: CUDA events around each call, warm-up first, candidates of one setting interleaved round by round,
-medians (benchmarks/_timing.py). Peak memory: ``torch.cuda.max_memory_allocated`` during one
+Timing: each call synchronized before and after (host clock), so kernel-launch overhead is counted as it
+is in a training step; warm-up first, candidates of one setting interleaved round by round, medians
+(benchmarks/_timing.py ``device_times``). ``ops``: non-view ATen operators per forward + backward (each at
+least one kernel launch on a GPU). Peak memory: ``torch.cuda.max_memory_allocated`` during one
 forward+backward minus what was allocated before it (input, parameters and the incoming gradient
 excluded). Targets (docs/gpu.md): IterNorm >= 5x faster than ZCA; BCN, GN+PN and Unitization fwd+bwd
 <= 1.3x nn.GroupNorm.
@@ -22,7 +24,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, osp.join(osp.dirname(osp.abspath(__file__)), '..'))
-from benchmarks._timing import conditions, device_times, median_iqr  # noqa: E402
+from benchmarks._timing import conditions, count_ops, device_times, median_iqr  # noqa: E402
 from benchmarks.layers import RECOMPUTE, norm_candidates  # noqa: E402
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
@@ -86,6 +88,7 @@ def bench_setting(shape, device, precision, repeats, warmup):
             rows[name][f'{mode}_iqr_ms'] = iqr * 1e3
             if backward:
                 rows[name]['peak_bytes'] = peak_bytes(calls[name], device)
+                rows[name]['ops'] = count_ops(calls[name])
     for name, row in rows.items():
         for mode in ('fwd', 'fwd+bwd'):
             row[f'{mode}_vs_gn'] = row[f'{mode}_ms'] / rows[GN][f'{mode}_ms']
@@ -153,7 +156,7 @@ def main(argv=None):
     device_name = torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'
     cond = dict(conditions(torch.get_num_threads()), device=device_name, quick=args.quick, repeats=repeats,
                 warmup=warmup, cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
-                note='CUDA events, interleaved candidates, medians' if args.device == 'cuda' else
+                note='synchronized per call (launch overhead counted), interleaved candidates, medians' if args.device == 'cuda' else
                 'CPU code-path check only: not a GPU measurement')
     print('conditions:', json.dumps(cond))
     results = dict(conditions=cond, shapes=[list(s) for s in shapes], settings={})
@@ -162,11 +165,12 @@ def main(argv=None):
         s = results['settings'][key] = {}
         for precision in ('fp32', 'amp'):
             s[precision] = bench_setting(shape, args.device, precision, repeats, warmup)
-            print(f'\n{key} {precision}: {"layer":26s} {"fwd ms":>8s} {"fwd+bwd ms":>10s} {"vs GN":>6s} {"peak MB":>8s}')
+            print(f'\n{key} {precision}: {"layer":26s} {"fwd ms":>8s} {"fwd+bwd ms":>10s} {"vs GN":>6s} {"peak MB":>8s} '
+                  f'{"ops":>5s}')
             for name, row in s[precision].items():
                 peak = '-' if row['peak_bytes'] is None else f'{row["peak_bytes"] / 2**20:.1f}'
                 print(f'  {name:34s} {row["fwd_ms"]:8.3f} {row["fwd+bwd_ms"]:10.3f} {row["fwd+bwd_vs_gn"]:6.2f} '
-                      f'{peak:>8s}')
+                      f'{peak:>8s} {row["ops"]:5d}')
         s['whitening'] = bench_whitening(shape, args.device, repeats, warmup)
         print(f'  whitening matrix fwd+bwd: ZCA / Newton T5 = {s["whitening"]["zca_over_newton"]:.2f}')
     results['targets'] = check_targets(results)

@@ -4,18 +4,19 @@ Importing the package checks that torch, mmengine and mmcv are in the supported 
 (normdense/version.py), registers every layer, backbone and hook into mmengine's root registries (so
 mmdet, mmseg and mmpretrain configs see them) and allow-lists the types mmengine's Runner checkpoints
 need for torch.load(weights_only=True); every mmengine checkpoint scheme (local, https://, open-mmlab://,
-torchvision://) then loads weights-only (``normdense.checkpoint.install_safe_loaders``). mmdet, mmseg and
-mmpretrain are optional (normdense.codebases).
+torchvision://) then loads weights-only (``normdense.checkpoint.install_safe_loaders``, applied when
+mmengine.runner.checkpoint is imported). mmdet, mmseg and mmpretrain are optional (normdense.codebases)
+and not imported here: their models register when a config or tool needs them (normdense.lazy).
 """
 from .version import __version__  # noqa: F401
 from .compat import check_core_versions
 
 check_core_versions()
 
-from .checkpoint import allow_mmengine_checkpoint_types, install_safe_loaders  # noqa: E402
+from .checkpoint import allow_mmengine_checkpoint_types, install_safe_loaders_on_import  # noqa: E402
 from . import registry  # noqa: F401,E402  (registers into mmengine's root MODELS / HOOKS)
 
 allow_mmengine_checkpoint_types()
-install_safe_loaders()
+install_safe_loaders_on_import()  # patched when mmengine.runner.checkpoint is imported (it is slow to import)
 from .model_convert import convert_model, revert_model  # noqa: F401,E402  (BN/GN/convs of a built model)
 from .norm_switch import CHOICES as NORM_CHOICES, switch_norm  # noqa: F401,E402  (the norm switch on a config)

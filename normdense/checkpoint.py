@@ -19,6 +19,8 @@ import pickle
 import numpy as np
 import torch
 
+from .errors import UserFixable
+
 
 def _numpy_multiarray():
     # numpy 2 pickles through numpy._core; numpy 1 through numpy.core
@@ -160,8 +162,18 @@ def install_safe_loaders():
     so those schemes keep mmengine's name tables, rank-0-first download and torch.hub's cache.
     """
     from mmengine.runner import checkpoint as mm_ckpt
+    _patch_loaders(mm_ckpt)
+
+
+def _patch_loaders(mm_ckpt):
     mm_ckpt.CheckpointLoader.register_scheme(prefixes='', loader=_load_from_local, force=True)
     mm_ckpt.load_url = _load_url
+
+
+def install_safe_loaders_on_import():
+    """:func:`install_safe_loaders` now if mmengine.runner.checkpoint is imported, else when it is."""
+    from .lazy import patch_on_import
+    patch_on_import('mmengine.runner.checkpoint', _patch_loaders)
 
 
 def read_checkpoint(path, map_location='cpu', logger='current'):
@@ -191,7 +203,7 @@ def check_checkpoint_path(path, what='checkpoint'):
 # --------------------------------------------------------------------------------------------------
 # Strict loads: which tensors a checkpoint leaves at their initialization
 # --------------------------------------------------------------------------------------------------
-class CheckpointMismatchError(RuntimeError):
+class CheckpointMismatchError(UserFixable, RuntimeError):
     """A checkpoint whose keys or shapes do not cover the model (a strict load refuses it)."""
 
 

@@ -6,8 +6,11 @@ that is not installed (its ``default_scope`` or an ``mmseg::...`` base) fails wi
 """
 import importlib
 import importlib.util
+import warnings
 
 from mmengine.config import Config
+
+from .errors import PKG_RESOURCES_FIX, MmcvOpsError, SetupError, UserFixable, mmcv_ops_problem
 
 # import name -> (distribution name, normdense extra)
 CODEBASES = {
@@ -17,7 +20,7 @@ CODEBASES = {
 }
 
 
-class MissingCodebase(ImportError):
+class MissingCodebase(UserFixable, ImportError):
     """An OpenMMLab codebase a config or layer needs is not installed (one-line message with the fix)."""
 
 
@@ -36,21 +39,29 @@ def missing_message(package: str, needed_by: str) -> str:
 
 
 def require(package: str, needed_by: str):
-    """Import and return ``package``; a missing codebase raises :class:`MissingCodebase`.
-
-    An installed codebase that fails to import (e.g. mmcv built without ops) raises its own error.
-    """
-    if package in CODEBASES and not is_installed(package):
-        raise MissingCodebase(missing_message(package, needed_by))
-    return importlib.import_module(package)
+    """Import and return ``package``; a missing codebase raises :class:`MissingCodebase`, one whose import
+    fails on mmcv's ops (mmcv-lite, or built for another torch) :class:`~normdense.errors.MmcvOpsError`."""
+    if package.split('.')[0] in CODEBASES and not is_installed(package.split('.')[0]):
+        raise MissingCodebase(missing_message(package.split('.')[0], needed_by))
+    try:
+        return importlib.import_module(package)
+    except ImportError as e:
+        problem = mmcv_ops_problem(e)
+        if problem is None:
+            raise
+        raise MmcvOpsError(f'{needed_by} imports {package}, but {problem}') from e
 
 
 def read_config(path: str) -> Config:
     """``Config.fromfile``, with a one-line :class:`MissingCodebase` when a ``mmseg::...``-style base of
     the config (or of its bases) belongs to a codebase that is not installed."""
     try:
-        return Config.fromfile(path)
+        with warnings.catch_warnings():  # setuptools 67-80 warn on every `import pkg_resources` (mmengine's)
+            warnings.filterwarnings('ignore', message='pkg_resources is deprecated', category=UserWarning)
+            return Config.fromfile(path)
     except ModuleNotFoundError as e:
+        if e.name == 'pkg_resources':
+            raise SetupError(f'config {path}: {PKG_RESOURCES_FIX}') from None
         # mmengine: "<distribution> is not installed, please install <distribution> manually"
         words = str(e).split()
         by_dist = {dist: package for package, (dist, _) in CODEBASES.items()}
@@ -58,3 +69,4 @@ def read_config(path: str) -> Config:
         if package is None:
             raise
         raise MissingCodebase(missing_message(package, f'config {path}')) from None
+

@@ -8,6 +8,8 @@ import difflib
 import importlib
 import os.path as osp
 
+from .errors import UserFixable
+
 DATA_GUIDE = 'docs/data.md'
 
 # Keys whose ``type`` is built by the codebase's TASK_UTILS (mmdet: assigners, samplers, coders,
@@ -21,7 +23,7 @@ _OPS_KEYS = ('roi_layer', 'nms')
 _MODELS_ONLY_KEYS = ('norm_cfg', 'conv_cfg', 'act_cfg')
 
 
-class ConfigError(ValueError):
+class ConfigError(UserFixable, ValueError):
     """A problem in the user's config or data that the tools report as one line (no traceback)."""
 
 

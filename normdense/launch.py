@@ -42,6 +42,8 @@ def codebase_of(cfg):
     if scope not in SUPPORTED_SCOPES:
         raise ValueError(f"config default_scope={scope!r} is not one of {SUPPORTED_SCOPES}")
     codebases.require(scope, f'a config with default_scope={scope!r}')
+    if scope != 'mmengine':  # its models register now; a failing mmcv op library is one line here
+        codebases.require(f'{scope}.models', f'a config with default_scope={scope!r}')
     return scope
 
 
@@ -256,6 +258,9 @@ def _common_args(parser):
                              '(docs/any_model.md); prints what was switched and what was left')
     parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'], default='none',
                         help='job launcher')
+    parser.add_argument('--debug', action='store_true',
+                        help='(normdense) show the traceback of a known error instead of one line '
+                             '(or NORMDENSE_DEBUG=1)')
     # torch.distributed.launch passes --local-rank from torch 2.0 on, --local_rank before
     parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
 

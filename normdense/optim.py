@@ -8,20 +8,19 @@ GN+PN subclass ``nn.GroupNorm`` and are covered; the other layers with affine pa
 ``nn.Module`` s (``NORM_CLASSES``), so a config with ``norm_decay_mult=0`` would still decay their gamma,
 beta (and Unitization's alpha).
 
-Importing this module (``normdense/registry.py`` does) replaces that module's ``_InstanceNorm`` by the
-nested tuple ``(_InstanceNorm, *NORM_CLASSES)``, which ``isinstance`` accepts: those classes then get
-exactly GroupNorm's treatment, and nothing else changes. They do not subclass ``_BatchNorm`` instead,
+Importing this module (``normdense/registry.py`` does) replaces, as soon as mmengine's constructor module
+is imported, that module's ``_InstanceNorm`` by the nested tuple ``(_InstanceNorm, *NORM_CLASSES)``, which
+``isinstance`` accepts: those classes then get exactly GroupNorm's treatment, and nothing else changes. They do not subclass ``_BatchNorm`` instead,
 because mmdet's ``norm_eval`` and ``convert_sync_batchnorm`` would then treat them as BatchNorm. Where an
 mmengine version no longer reads that name, a one-line warning says so (and tests/test_weight_decay.py
 fails). Codebase constructors with their own ``add_params`` (layer-wise lr decay) are not covered.
 """
 import warnings
 
-from mmengine.optim.optimizer import default_constructor as _default_constructor
-
 from .layers.equinorm import ChannelAffine
 from .layers.iternorm import IterNorm
 from .layers.unitization import Unitization2d
+from .lazy import patch_on_import
 
 __all__ = ['NORM_CLASSES', 'recognise_norms']
 
@@ -36,9 +35,11 @@ def _flatten(classes):
     return (classes, )
 
 
-def recognise_norms(module=_default_constructor) -> bool:
-    """Make ``module.DefaultOptimWrapperConstructor`` count ``NORM_CLASSES`` as norms; idempotent.
-    Returns False (after a one-line warning) where that module no longer checks norms this way."""
+def recognise_norms(module=None) -> bool:
+    """Make ``module.DefaultOptimWrapperConstructor`` (default: mmengine's) count ``NORM_CLASSES`` as norms;
+    idempotent. Returns False (after a one-line warning) where that module no longer checks norms this way."""
+    if module is None:
+        from mmengine.optim.optimizer import default_constructor as module
     constructor = getattr(module, 'DefaultOptimWrapperConstructor', None)
     current = getattr(module, '_InstanceNorm', None)
     reads_name = constructor is not None and '_InstanceNorm' in constructor.add_params.__code__.co_names
@@ -53,4 +54,5 @@ def recognise_norms(module=_default_constructor) -> bool:
     return True
 
 
-recognise_norms()
+# applied when mmengine's optimizer constructors are imported (not at `import normdense`: ~1 s)
+patch_on_import('mmengine.optim.optimizer.default_constructor', recognise_norms)

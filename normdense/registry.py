@@ -4,70 +4,90 @@ mmcv has no registry of its own: its bricks (``build_norm_layer``, ``build_conv_
 mmseg's and mmpretrain's child registries all resolve through mmengine's root ``MODELS``, so one
 registration here makes a layer selectable from any of their configs. Names already taken there
 (mmcv's ``ConvWS``, ``GN``, ...) raise ``KeyError``, so ours are new.
+
+Hooks, ``PretrainedBackbone`` and ``PNResNet`` register as stand-ins that import their module on first
+build (:mod:`normdense.lazy`): ``import normdense`` imports neither mmengine's hooks/model packages nor any
+codebase. ``normdense.registry.<Name>`` still gives the class (imported on access).
 """
-from mmengine.registry import HOOKS, MODELS, RUNNERS, WEIGHT_INITIALIZERS  # noqa: F401
+import importlib
 
-from .convert.pretrained_init import PretrainedBackbone  # noqa: E402
+from mmengine.registry import HOOKS, MODELS, WEIGHT_INITIALIZERS  # noqa: F401
 
-WEIGHT_INITIALIZERS.register_module(name='PretrainedBackbone', module=PretrainedBackbone)
+from .codebases import MissingCodebase, is_installed
+from .lazy import lazy_register
 
-from .hooks.strict_load import StrictLoadHook  # noqa: E402
+_LAZY = {}  # attribute of this module -> (module, class name), for __getattr__
 
-HOOKS.register_module(name='StrictLoadHook', module=StrictLoadHook)
+
+def _lazy(registry, name, module, attr=None, check=None):
+    _LAZY[name] = (module, attr or name)
+    lazy_register(registry, name, module, attr, check)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
+
+_lazy(WEIGHT_INITIALIZERS, 'PretrainedBackbone', 'normdense.convert.pretrained_init')
+_lazy(HOOKS, 'StrictLoadHook', 'normdense.hooks.strict_load')
 
 # --- Weight Standardization and Batch-Channel Normalization (WS/BCN paper) -------------------------
-from .hooks.estimate_rate import BCNRateHook, EstimateRateHook  # noqa: E402
 from .layers.bcn import BatchChannelNorm2d  # noqa: E402
 from .layers.ws import WSConv2d  # noqa: E402
 
 MODELS.register_module(name='WSConv2d', module=WSConv2d)
 MODELS.register_module(name='BCN', module=BatchChannelNorm2d)
-HOOKS.register_module(name='EstimateRateHook', module=EstimateRateHook)
-HOOKS.register_module(name='BCNRateHook', module=BCNRateHook)  # the first name, kept for configs
+_lazy(HOOKS, 'EstimateRateHook', 'normdense.hooks.estimate_rate')
+_lazy(HOOKS, 'BCNRateHook', 'normdense.hooks.estimate_rate')  # the first name, kept for configs
 
 # --- Unitization, EquiNorm and the diagnostics hook (Unitization / EquiNorm papers) ----------------
-from .hooks.diagnostics import NormDiagnosticsHook  # noqa: E402
 from .layers.equinorm import ChannelAffine, EquiConv2d  # noqa: E402
 from .layers.unitization import Unitization2d  # noqa: E402
 
 MODELS.register_module(name='Unitization', module=Unitization2d)
 MODELS.register_module(name='EquiConv2d', module=EquiConv2d)
 MODELS.register_module(name='ChannelAffine', module=ChannelAffine)
-HOOKS.register_module(name='NormDiagnosticsHook', module=NormDiagnosticsHook)
+_lazy(HOOKS, 'NormDiagnosticsHook', 'normdense.hooks.diagnostics')
 
 # --- Proxy Normalization and IterNorm (PN / IterNorm papers) ---------------------------------------
-# PNResNet subclasses mmseg's ResNet, or mmdet's where mmseg is not installed; with neither, building it
-# raises a one-line error naming the extra to install (normdense itself needs neither).
-from .codebases import MissingCodebase, is_installed  # noqa: E402
-from .hooks.proxy_norm_check import ProxyNormCheckHook  # noqa: E402
 from .layers.iternorm import IterNorm  # noqa: E402
 from .layers.proxy_norm import GroupProxyNorm  # noqa: E402
 
 
-def _needs_resnet_codebase(name):
-    def build(*args, **kwargs):
-        raise MissingCodebase(f"{name} subclasses mmseg's or mmdet's ResNet and neither is installed: "
-                              f"pip install 'normdense[seg]' or 'normdense[det]'")
-    build.__name__ = build.__qualname__ = name
-    return build
+def _needs_resnet_codebase():
+    if not (is_installed('mmseg') or is_installed('mmdet')):
+        raise MissingCodebase("PNResNet subclasses mmseg's or mmdet's ResNet and neither is installed: "
+                              "pip install 'normdense[seg]' or 'normdense[det]'")
 
-
-if is_installed('mmseg') or is_installed('mmdet'):
-    from .models.backbones.pn_resnet import PNResNet, PNResNetV1c  # noqa: E402
-else:
-    PNResNet, PNResNetV1c = _needs_resnet_codebase('PNResNet'), _needs_resnet_codebase('PNResNetV1c')
 
 MODELS.register_module(name='GNPN', module=GroupProxyNorm)
 MODELS.register_module(name='IterNorm', module=IterNorm)
-MODELS.register_module(name='PNResNet', module=PNResNet)
-MODELS.register_module(name='PNResNetV1c', module=PNResNetV1c)
-HOOKS.register_module(name='ProxyNormCheckHook', module=ProxyNormCheckHook)
+# PNResNet subclasses mmseg's ResNet (mmdet's without mmseg), imported on the first build
+_lazy(MODELS, 'PNResNet', 'normdense.models.backbones.pn_resnet', check=_needs_resnet_codebase)
+_lazy(MODELS, 'PNResNetV1c', 'normdense.models.backbones.pn_resnet', check=_needs_resnet_codebase)
+_lazy(HOOKS, 'ProxyNormCheckHook', 'normdense.hooks.proxy_norm_check')
 from . import optim  # noqa: F401,E402  (mmengine's norm_decay_mult / bias_decay_mult reach every normdense norm)
 
-# --- The norm switch's runner (normdense/norm_switch.py): runner_type='NormSwitchRunner' in any config -----
-from .runner import NormSwitchRunner  # noqa: E402
+# --- The norm switch (normdense/norm_switch.py): runner_type='NormSwitchRunner', model type 'NormSwitched' ---
+from mmengine.registry import RUNNERS  # noqa: E402
 
-from .norm_switch import build_norm_switched  # noqa: E402
+from .norm_switch import build_norm_switched  # noqa: E402  (light: its imports happen at build time)
 
-RUNNERS.register_module(name='NormSwitchRunner', module=NormSwitchRunner)
+
+class _NormSwitchRunnerStandIn:
+    """mmengine's RUNNERS build calls ``cls.from_cfg(cfg)``: import normdense.runner (mmengine.runner, ~1 s)
+    only then, as the hooks' stand-ins do."""
+
+    @staticmethod
+    def from_cfg(cfg):
+        from .runner import NormSwitchRunner
+        RUNNERS.register_module(name='NormSwitchRunner', module=NormSwitchRunner, force=True)
+        return NormSwitchRunner.from_cfg(cfg)
+
+
+_LAZY['NormSwitchRunner'] = ('normdense.runner', 'NormSwitchRunner')
+RUNNERS.register_module(name='NormSwitchRunner', module=_NormSwitchRunnerStandIn)
 MODELS.register_module(name='NormSwitched', module=build_norm_switched)  # the model-type form

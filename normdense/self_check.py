@@ -1,12 +1,17 @@
-"""Import the whole stack normdense runs on, print its versions, and check that mmcv's ops match torch's
-device (the last step of `make install`; also `python -m normdense.self_check` in any environment).
+"""Import the whole stack normdense runs on, print its versions, and run one of mmcv's ops (the last step
+of `make install`; also `python -m normdense.self_check` in any environment).
 
-Exit status 1 when torch sees a CUDA GPU but mmcv's ops were compiled without CUDA (RoIAlign, NMS, ...
-would fail on the GPU), or for a CUDA major version other than torch's.
+Exit status 1, with one line naming the fix, when mmcv's ops do not import or run under the installed torch
+(a wheel built for another torch, e.g. from pip's cache: ``nms`` is run on a tiny CPU tensor, and on CUDA
+where torch sees a GPU), when torch sees a CUDA GPU but mmcv's ops were compiled without CUDA (RoIAlign,
+NMS, ... would fail on the GPU) or for another CUDA major version, and when mmdet or mmseg (which need the
+ops) meet mmcv-lite. mmcv-lite alone passes: normdense's layers need no op.
 """
 import importlib
 import sys
 from typing import Optional
+
+from normdense.errors import MMCV_NO_OPS, MMCV_REBUILD, mmcv_ops_problem
 
 NO_CUDA = 'not available'  # what mmcv.ops.get_compiling_cuda_version() returns for a CPU-only build
 
@@ -31,7 +36,31 @@ def cuda_ops_problem(gpu_available: bool, torch_cuda: Optional[str], mmcv_cuda: 
     return None
 
 
-def ops_device(gpu_available: bool, mmcv_cuda: str) -> str:
+def run_nms(device: str) -> None:
+    """mmcv's ``nms`` on three boxes on ``device``; raises when the compiled op does not run (or is wrong)."""
+    import torch
+    from mmcv.ops import nms
+    boxes = torch.tensor([[0., 0., 10., 10.], [1., 1., 11., 11.], [20., 20., 30., 30.]], device=device)
+    _, keep = nms(boxes, torch.tensor([0.9, 0.8, 0.7], device=device), iou_threshold=0.5)
+    if keep.cpu().tolist() != [0, 2]:
+        raise RuntimeError(f'nms kept boxes {keep.cpu().tolist()} instead of [0, 2]')
+
+
+def ops_run_problem(devices) -> Optional[str]:
+    """One line on why mmcv's ops do not run on ``devices`` under this torch, or None when they do."""
+    for device in devices:
+        try:
+            run_nms(device)
+        except Exception as e:  # noqa: BLE001  (whatever the broken build raises)
+            problem = mmcv_ops_problem(e)
+            first = (str(e).splitlines() or [type(e).__name__])[0]
+            return problem or f"mmcv's nms fails on {device} ({type(e).__name__}: {first}): {MMCV_REBUILD}"
+    return None
+
+
+def ops_device(gpu_available: bool, mmcv_cuda: Optional[str]) -> str:
+    if mmcv_cuda is None:
+        return 'none (mmcv-lite or built without ops)'
     if mmcv_cuda == NO_CUDA:
         return 'CPU only' + (' (GPU present!)' if gpu_available else '')
     return f'CPU + CUDA {mmcv_cuda}' + ('' if gpu_available else ' (no GPU visible)')
@@ -40,10 +69,10 @@ def ops_device(gpu_available: bool, mmcv_cuda: str) -> str:
 def _version(module_name: str) -> str:
     try:
         module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name != module_name:
-            raise
-        return 'not installed'
+    except Exception as e:  # noqa: BLE001  (e.g. torchvision built for another torch): report, go on
+        if isinstance(e, ModuleNotFoundError) and e.name == module_name:
+            return 'not installed'
+        return f'installed, import fails: {type(e).__name__}: {(str(e).splitlines() or [""])[0][:120]}'
     version = getattr(module, '__version__', None)
     return version or importlib.metadata.version(module_name)
 
@@ -56,13 +85,18 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
     import mmcv
-    # fails if mmcv was built without ops or against another torch
-    from mmcv.ops import RoIAlign, get_compiling_cuda_version  # noqa: F401
     import mmengine
     import normdense
 
     gpu = torch.cuda.is_available()
-    mmcv_cuda = get_compiling_cuda_version()
+    problem, no_ops = None, False
+    try:
+        from mmcv.ops import get_compiling_cuda_version
+        mmcv_cuda = get_compiling_cuda_version()
+    except ImportError as e:  # mmcv-lite (no mmcv._ext), or undefined symbols of a build for another torch
+        mmcv_cuda = None
+        no_ops = isinstance(e, ModuleNotFoundError) and e.name == 'mmcv._ext'
+        problem = mmcv_ops_problem(e) or f'mmcv.ops does not import ({e}): {MMCV_REBUILD}'
     rows = [('python', sys.version.split()[0]),
             ('torch', f'{torch.__version__} (CUDA {torch.version.cuda}, GPU {"yes" if gpu else "no"})'),
             ('torchvision', _version('torchvision')),
@@ -74,10 +108,18 @@ def main(argv=None) -> int:
     print('normdense self-check: the core stack imports')
     for name, version in rows:
         print(f'  {name:<16} {version}')
-    problem = cuda_ops_problem(gpu, torch.version.cuda, mmcv_cuda)
-    missing = [name for name, version in rows if version == 'not installed']
+    needs_ops = [name for name in ('mmdet', 'mmseg') if dict(rows)[name] != 'not installed']
+    if no_ops:
+        # mmcv-lite: enough for normdense's layers, not for mmdet / mmseg (or make install)
+        problem = (f"{' and '.join(needs_ops) or 'make install'} need{'s' if len(needs_ops) == 1 else ''} "
+                   f"mmcv's compiled ops, missing here ({MMCV_NO_OPS})" if needs_ops or args.all else None)
+    elif mmcv_cuda is not None:
+        problem = (cuda_ops_problem(gpu, torch.version.cuda, mmcv_cuda)
+                   or ops_run_problem(['cpu'] + (['cuda'] if gpu and mmcv_cuda != NO_CUDA else [])))
+    missing = [name for name, version in rows if version == 'not installed' or version.startswith('installed, import')]
     if args.all and missing and not problem:
-        problem = f'not installed: {", ".join(missing)} (make install installs them; FORCE=1 make install)'
+        problem = (f'not installed or failing to import: {", ".join(missing)} (make install installs them; '
+                   'FORCE=1 make install)')
     if problem:
         print(f'normdense self-check FAILED: {problem}', file=sys.stderr)
         return 1

@@ -8,7 +8,8 @@ layout, see setup.py); a source checkout (``pip install -e .``) has them beside 
     python -m normdense.tools test  mask_rcnn/mask-rcnn_r50_fpn_gn-ws_2x_coco.py CKPT.pth
 
 A config argument that is not an existing file is looked up in normdense's configs (with or without the
-leading ``configs/``); the tool then runs exactly as ``python tools/<tool>.py`` would.
+leading ``configs/``); the tool then runs exactly as ``python tools/<tool>.py`` would: the known errors
+(normdense.errors) as one line on stderr, exit status 1; ``--debug`` or ``NORMDENSE_DEBUG=1`` for the traceback.
 """
 import os
 import os.path as osp

@@ -68,10 +68,15 @@ else
   MMCV_ENV+=(FORCE_CUDA=1)
 fi
 
-# mmcv 2.1.0 whose ops load against this torch, with CUDA kernels where torch sees a GPU
+# mmcv 2.1.0 whose ops run under this torch (nms on CPU, and on CUDA where torch sees a GPU): a wheel built
+# for another torch can import and still fail every op ("nms_impl: implementation for device ... not found")
 mmcv_ok() {
-  "$PY" -c "import mmcv, sys, torch; from mmcv.ops import get_compiling_cuda_version as cuda
-sys.exit(mmcv.__version__ != '2.1.0' or (torch.cuda.is_available() and cuda() == 'not available'))" 2>/dev/null
+  "$PY" -c "import mmcv, sys, torch; from mmcv.ops import nms, get_compiling_cuda_version as cuda
+gpu = torch.cuda.is_available()
+if mmcv.__version__ != '2.1.0' or (gpu and cuda() == 'not available'): sys.exit(1)
+for d in ['cpu'] + (['cuda'] if gpu else []):
+    b = torch.tensor([[0., 0., 10., 10.], [1., 1., 11., 11.]], device=d)
+    assert nms(b, torch.tensor([0.9, 0.8], device=d), 0.5)[1].tolist() == [0]" 2>/dev/null
 }
 step "mmcv 2.1.0 with compiled ops (source build, ~15 min the first time)" \
      "needs gcc/g++ and the Python headers; a build error mentioning C++20 means torch is newer than 2.13"
@@ -81,8 +86,8 @@ else
   env "${MMCV_ENV[@]}" MAX_JOBS="${MAX_JOBS:-$(nproc)}" "${PIP[@]}" --no-build-isolation mmcv==2.1.0
   if ! mmcv_ok; then
     # pip's wheel cache ignores the torch version and the CUDA build: a wheel built against another torch
-    # fails with undefined symbols in mmcv._ext, one built on a CPU machine lacks the CUDA kernels.
-    echo "    cached mmcv wheel does not load against this torch or lacks CUDA ops: rebuilding without pip's cache"
+    # fails with undefined symbols in mmcv._ext or in every op, one built on a CPU machine lacks the CUDA kernels.
+    echo "    cached mmcv wheel does not run under this torch or lacks CUDA ops: rebuilding without pip's cache"
     "$PY" -m pip cache remove mmcv || true
     env "${MMCV_ENV[@]}" MAX_JOBS="${MAX_JOBS:-$(nproc)}" "${PIP[@]}" --no-build-isolation --no-cache-dir \
       --force-reinstall --no-deps mmcv==2.1.0

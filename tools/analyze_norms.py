@@ -8,12 +8,14 @@ The logic lives in normdense.analysis.report.
 """
 import argparse
 import json
+import sys
 
 from mmengine.config import DictAction
 
 import normdense  # noqa: F401  (registers the layers)
 from normdense.analysis.recorder import DIAGNOSTICS
 from normdense.analysis.report import SPLITS, analyze_checkpoint, write_report
+from normdense.errors import run_tool
 
 
 def parse_args(argv=None):
@@ -55,4 +57,4 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(run_tool(main))

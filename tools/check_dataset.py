@@ -14,6 +14,7 @@ from mmengine.config import DictAction
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 from normdense import launch  # noqa: E402
 from normdense.data.check import check_config_datasets  # noqa: E402
+from normdense.errors import debug_requested, run_tool  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -33,6 +34,8 @@ def main(argv=None):
         loaders = [f'{s}_dataloader' for s in args.splits]
         launch.check_data_paths_of(cfg, loaders, evaluators=False)
     except launch.USER_ERRORS as e:
+        if debug_requested():
+            raise
         sys.exit(f'check_dataset.py: error: {e}')
     report = check_config_datasets(cfg, splits=loaders)
     print(report.text(limit=args.limit))
@@ -40,4 +43,4 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -22,6 +22,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 from normdense.convert.backbone import (NORM_TYPES, SOURCES, TARGETS, WS_CHOICES, ConversionError,  # noqa: E402
                                         convert_backbone, load_source, save_backbone_checkpoint)
+from normdense.errors import run_tool  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -71,4 +72,4 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(run_tool(main))

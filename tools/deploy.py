@@ -12,6 +12,7 @@ import sys
 from mmengine.config import DictAction
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+from normdense.errors import run_tool  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -25,11 +26,11 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from mmengine.config import Config
     from mmengine.runner import load_checkpoint
 
+    from normdense.codebases import read_config
     from normdense.deploy import build_model_from_config, fuse, save_fused
-    cfg = Config.fromfile(args.config)
+    cfg = read_config(args.config)  # a missing codebase / pkg_resources: one line
     if args.cfg_options:
         cfg.merge_from_dict(args.cfg_options)
     model = build_model_from_config(cfg)
@@ -44,4 +45,4 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(run_tool(main))

@@ -15,6 +15,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 from normdense.data.toy_scenes import CLASSES  # noqa: E402
 from normdense.data.writers import timed, write_coco  # noqa: E402
+from normdense.errors import run_tool  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -55,4 +56,4 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(run_tool(main))

@@ -19,6 +19,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 from normdense.data.writers import timed, write_voc  # noqa: E402
+from normdense.errors import run_tool  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -61,4 +62,4 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(run_tool(main))

@@ -4,6 +4,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+from normdense.errors import run_tool  # noqa: E402
 from normdense.visualization import tile_images  # noqa: E402
 
 
@@ -18,4 +19,4 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(run_tool(main))

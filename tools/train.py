@@ -2,13 +2,15 @@
 
 Takes every argument of mmdet's, mmseg's and mmpretrain's own tools/train.py (see
 normdense.launch.train_arg_parser) plus --check-data; config and data errors found before the runner is
-built are reported as one line.
+built, and the known errors of normdense.errors (missing codebase, broken mmcv, ...), are reported as one
+line; --debug shows the traceback.
 """
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 from normdense import launch  # noqa: E402
+from normdense.errors import debug_requested, run_tool  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -20,10 +22,12 @@ def main(argv=None):
     try:
         cfg = launch.prepare_train(args)
     except launch.USER_ERRORS as e:
+        if debug_requested():
+            raise
         sys.exit(f'train.py: error: {e}')
     runner = launch.build_runner(cfg)
     runner.train()
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(run_tool(main))  # known errors: one line (--debug: traceback)

@@ -4,7 +4,7 @@ The layer classes are exported here, as timm's and mmcv's ``__init__`` do: ``fro
 BatchChannelNorm2d, WSConv2d``.
 """
 from ._estimate import EstimateRateMixin, mark_iteration, set_update_rate  # noqa: F401  (estimate mode, shared)
-from ._fused import set_fused  # noqa: F401  (fused path on / off for every BCN, GN+PN, Unitization in a model)
+from ._statnorm import StatNorm2d, set_fused  # noqa: F401  (the engine of BCN, GN+PN, Unitization; fused on / off)
 from .bcn import BatchChannelNorm2d  # noqa: F401
 from .equinorm import ChannelAffine, EquiConv2d  # noqa: F401
 from .iternorm import IterNorm  # noqa: F401
@@ -13,4 +13,5 @@ from .unitization import Unitization2d  # noqa: F401
 from .ws import WSConv2d, standardize_weight  # noqa: F401
 
 __all__ = ['BatchChannelNorm2d', 'ChannelAffine', 'EquiConv2d', 'EstimateRateMixin', 'GroupProxyNorm', 'IterNorm',
-           'Unitization2d', 'WSConv2d', 'mark_iteration', 'set_fused', 'set_update_rate', 'standardize_weight']
+           'StatNorm2d', 'Unitization2d', 'WSConv2d', 'mark_iteration', 'set_fused', 'set_update_rate',
+           'standardize_weight']

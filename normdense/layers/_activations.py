@@ -2,12 +2,12 @@
 mmcv-style ``act_cfg`` dict into (canonical name, keyword arguments). Functional (torch only): the layer
 applies phi both to its input and to the proxy samples."""
 import functools
-from typing import Callable, Dict, Tuple, Union
+from typing import Dict, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ['PROXY_NORM_ACTIVATIONS', 'resolve_activation', 'activation_fn']
+__all__ = ['PROXY_NORM_ACTIVATIONS', 'resolve_activation', 'activation', 'Activation']
 
 # canonical name -> (function, default keyword arguments it accepts)
 PROXY_NORM_ACTIVATIONS: Dict[str, Tuple[object, dict]] = {
@@ -66,12 +66,48 @@ def resolve_activation(act: Union[str, dict]) -> Tuple[str, dict]:
     return key, {**allowed, **kwargs}
 
 
-def activation_fn(name: str, kwargs: dict) -> Callable:
-    """phi as one callable per (name, arguments): the same object for equal configurations, so the fused
-    path's compiled kernels (keyed by it) compile once per activation, not once per layer."""
-    return _activation_fn(name, tuple(sorted(kwargs.items())))
+class Activation:
+    """phi and its closed-form derivative (the ATen backward op autograd itself uses): ``forward(z)``,
+    ``backward(g, z, out)`` = g * phi'(z) with ``out`` = phi(z). One object per (name, arguments)."""
+
+    def __init__(self, name: str, kwargs: dict):
+        self.name, self.kwargs = name, dict(kwargs)
+        self.forward = functools.partial(PROXY_NORM_ACTIVATIONS[name][0], **self.kwargs)
+        self._backward = _BACKWARD[name]
+
+    def backward(self, g: torch.Tensor, z: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return self._backward(g, z, out, self.kwargs)
+
+    def __repr__(self):
+        return f'Activation({self.name!r}, {self.kwargs})'
+
+
+_aten = torch.ops.aten
+_SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
+# g * phi'(z), from torch's derivatives.yaml formulas: one ATen op each
+_BACKWARD = {
+    'relu': lambda g, z, out, kw: _aten.threshold_backward(g, out, 0),
+    'relu6': lambda g, z, out, kw: _aten.hardtanh_backward(g, z, 0.0, 6.0),
+    'leaky_relu': lambda g, z, out, kw: _aten.leaky_relu_backward(g, z, kw['negative_slope'], False),
+    'elu': lambda g, z, out, kw: _aten.elu_backward(g, kw['alpha'], 1, 1, False, z),
+    'celu': lambda g, z, out, kw: _aten.elu_backward(g, kw['alpha'], 1, 1.0 / kw['alpha'], False, z),
+    'selu': lambda g, z, out, kw: _aten.elu_backward(g, _SELU_ALPHA, _SELU_SCALE, 1, False, z),
+    'gelu': lambda g, z, out, kw: _aten.gelu_backward(g, z, approximate=kw['approximate']),
+    'silu': lambda g, z, out, kw: _aten.silu_backward(g, z),
+    'mish': lambda g, z, out, kw: _aten.mish_backward(g, z),
+    'softplus': lambda g, z, out, kw: _aten.softplus_backward(g, z, kw['beta'], kw['threshold']),
+    'hardswish': lambda g, z, out, kw: _aten.hardswish_backward(g, z),
+    'sigmoid': lambda g, z, out, kw: _aten.sigmoid_backward(g, out),
+    'tanh': lambda g, z, out, kw: _aten.tanh_backward(g, out),
+}
+assert set(_BACKWARD) == set(PROXY_NORM_ACTIVATIONS)
 
 
 @functools.lru_cache(maxsize=None)
-def _activation_fn(name, items):
-    return functools.partial(PROXY_NORM_ACTIVATIONS[name][0], **dict(items))
+def _activation(name, items):
+    return Activation(name, dict(items))
+
+
+def activation(name: str, kwargs: dict) -> Activation:
+    """The :class:`Activation` of a resolved (name, kwargs): the same object for equal configurations."""
+    return _activation(name, tuple(sorted(kwargs.items())))

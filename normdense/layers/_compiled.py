@@ -1,4 +1,5 @@
-"""The passes over x of the fused layers (``_fused.py``) as torch.compile'd kernels: opt-in
+"""The passes over x of the StatNorm engine (``_statnorm.py``) as torch.compile'd kernels: a backend beside the
+ATen one (``_fused.py``), which it falls back to: opt-in
 (``compiled=True`` on BCN, GN+PN and Unitization) because the first call compiles (tens of seconds on a
 CPU, once per activation and kernel; inductor caches them on disk), and because it needs a working
 compiler (CPU: inductor's C++ backend, a C++ compiler; CUDA: Triton).
@@ -6,21 +7,22 @@ compiler (CPU: inductor's C++ backend, a C++ compiler; CUDA: Triton).
 Each kernel is one pass, with t = x - m formed inside it: forward y = K act(A t + B) + L; the
 backward's sums over positions of g t, g, dy act(A t + B), dy with g = dy K act'(A t + B) in one
 reduction; dx = A g + c1 t + c0 in one elementwise pass (act' through torch.func.vjp, so every activation of ``_activations.py`` works). If
-compiling or running a compiled kernel fails, a warning says why and the eager kernels take over for
+compiling or running a compiled kernel fails, a warning says why and the ATen kernels take over for
 the rest of the process: never an error from an opt-in speed-up.
 """
 import warnings
-from typing import Callable, Dict, Optional
+from typing import Dict
 
 import torch
 
-from ._fused import EagerKernels
+from ._fused import AtenKernels
 
 _BROKEN: Dict[str, str] = {}  # set once torch.compile failed: the reason
 
 
-def _kernels(act: Optional[Callable]):
-    # x (N, C, L), m and the coefficients (N, C, 1); t = x - m inside each kernel (see EagerKernels)
+def _kernels(activation):
+    act = None if activation is None else activation.forward
+    # x (N, C, L), m and the coefficients (N, C, 1); t = x - m inside each kernel (see _fused.AtenKernels)
     if act is None:
         def forward(x, m, a, b):
             return a * (x - m) + b
@@ -47,7 +49,7 @@ def _kernels(act: Optional[Callable]):
     return [torch.compile(f, dynamic=True) for f in (forward, sums, dx)]
 
 
-class CompiledKernels(EagerKernels):
+class CompiledKernels(AtenKernels):
     _cache: Dict[object, 'CompiledKernels'] = {}
 
     @classmethod
@@ -72,21 +74,23 @@ class CompiledKernels(EagerKernels):
                               'using the eager kernels (compiled=False) from here on', RuntimeWarning)
         return eager()
 
-    def forward(self, xc, m, coeffs, normalized=None):  # one pass from x: the normalized buffer is not needed
+    def forward(self, x3, m, coeffs, buf=None):  # one pass from x: the moments' buffer is not needed
         cs = [c.unsqueeze(2) for c in coeffs]
-        return self._call(0, lambda: super(CompiledKernels, self).forward(xc, m, coeffs, normalized), xc,
+        return self._call(0, lambda: super(CompiledKernels, self).forward(x3, m, coeffs, buf), x3,
                           m.unsqueeze(2), *cs)
 
-    def sums(self, xc, m, dy, coeffs):
+    def sums(self, x3, m, dy, coeffs):
         cs = [c.unsqueeze(2) for c in coeffs]
-        args = (xc, m.unsqueeze(2), dy) if self.act is None else (xc, m.unsqueeze(2), dy, *cs[:3])
+        args = (x3, m.unsqueeze(2), dy) if self.act is None else (x3, m.unsqueeze(2), dy, *cs[:3])
         out = self._call(1, lambda: None, *args)
-        return super().sums(xc, m, dy, coeffs) if out is None else (list(out), 'compiled')
+        return super().sums(x3, m, dy, coeffs) if out is None else (list(out), 'compiled')
 
-    def dx(self, xc, m, dy, coeffs, c1, c0, state=None):
-        if state != 'compiled':  # sums fell back to the eager kernels, which computed what dx needs
-            return super().dx(xc, m, dy, coeffs, c1, c0, state)
+    def dx(self, x3, m, dy, coeffs, c1, c0, state):
+        if not isinstance(state, str):  # sums fell back to the ATen kernels, which computed what dx needs
+            return super().dx(x3, m, dy, coeffs, c1, c0, state)
         cs = [c.unsqueeze(2) for c in coeffs]
-        args = (xc, m.unsqueeze(2), dy, cs[0]) if self.act is None else (xc, m.unsqueeze(2), dy, *cs[:3])
-        return self._call(2, lambda: super(CompiledKernels, self).dx(xc, m, dy, coeffs, c1, c0),
-                          *args, c1.unsqueeze(2), c0.unsqueeze(2))
+        args = (x3, m.unsqueeze(2), dy, cs[0]) if self.act is None else (x3, m.unsqueeze(2), dy, *cs[:3])
+        out = self._call(2, lambda: None, *args, c1.unsqueeze(2), c0.unsqueeze(2))
+        if out is None:  # compiling dx failed after sums compiled: the ATen passes from scratch
+            return super().dx(x3, m, dy, coeffs, c1, c0, super().sums(x3, m, dy, coeffs)[1])
+        return out.to(x3.dtype)

@@ -148,8 +148,9 @@ class _Iteration:
     """One training iteration of one layer: the estimates it started from, the rate, the summed moments of
     its calls so far, and (with sync) each call's local and all-reduced sums for the recomputation."""
 
-    def __init__(self, token, mean, var):
-        self.token, self.mean, self.var = token, mean, var
+    def __init__(self, token, base):
+        # base: (2, C) copy of (estimated mean, estimated variance) at the iteration's start
+        self.token, self.base, self.mean, self.var = token, base, base[0], base[1]
         self.rate = None
         self.total = None
         self.local, self.synced = [], []
@@ -204,12 +205,21 @@ class EstimateRateMixin:
         """This training call's estimates (mean, var) from its input x (N, C, ...); see
         :meth:`_estimates_for_call`."""
         st = self._open_iteration()
-        return self._estimates_for_call(st, *local_moments(x, st.mean))
+        if self.sync_stats and world_size() > 1:
+            return self._estimates_for_call(st, *local_moments(x, st.mean))
+        with torch.no_grad():
+            mean_b, second, count = local_moments(x, st.mean)
+            return self._local_estimates(st, torch.stack([mean_b, second]), count)
 
     def estimates_from_moments(self, m: torch.Tensor, v: torch.Tensor, positions: int):
         """As :meth:`estimates_from_input`, from the per-(n, c) moments the fused path has already."""
         st = self._open_iteration()
-        return self._estimates_for_call(st, *moments_around(m, v, positions, st.mean))
+        if self.sync_stats and world_size() > 1:
+            return self._estimates_for_call(st, *moments_around(m, v, positions, st.mean))
+        with torch.no_grad():  # one process: the same update in a handful of (2, C) ops
+            d = m - st.mean.to(m.dtype)
+            moved = torch.stack([m, torch.addcmul(v, d, d)]).mean(1)  # (batch mean, second moment around it)
+            return self._local_estimates(st, moved, m.shape[0] * positions)
 
     def _open_iteration(self) -> _Iteration:
         st = self.__dict__.get('_iteration')
@@ -219,11 +229,31 @@ class EstimateRateMixin:
                                    "this iteration's forward")
             return st
         if st is None or st.token != _TOKEN[0]:
-            st = _Iteration(_TOKEN[0], self.running_mean.detach().clone(), self.running_var.detach().clone())
+            st = _Iteration(_TOKEN[0], torch.stack([self.running_mean.detach(), self.running_var.detach()]))
             self.__dict__['_iteration'] = st
             if isinstance(getattr(self, 'num_batches_tracked', None), torch.Tensor):
                 self.num_batches_tracked.add_(1)  # iterations, not calls
         return st
+
+    def _local_estimates(self, st: _Iteration, moments, count: int):
+        """:meth:`_estimates_for_call` without a collective, ``moments`` = (mean, second moment) stacked (2, C),
+        ``count`` a Python int: the call's estimates lerp(start, moments, r), the buffers lerp(start, moments of
+        all the iteration's calls, r) (equal to the call's for the first call of an iteration)."""
+        base = st.base.to(moments.dtype)
+        backward = in_backward()
+        if st.rate is None or not backward:
+            st.rate = self._rate() if st.rate is None else st.rate
+        call = torch.lerp(base, moments, st.rate) if count else base
+        if not backward and count:
+            if st.total is None:
+                st.total, moved = (moments, count), call
+            else:
+                total, n = st.total
+                st.total = (torch.lerp(total.to(moments.dtype), moments, count / (n + count)), n + count)
+                moved = torch.lerp(base, st.total[0], st.rate)
+            self.running_mean.copy_(moved[0])
+            self.running_var.copy_(moved[1])
+        return call[0], call[1]
 
     def _estimates_for_call(self, st: _Iteration, mean_b, second, count):
         """Algorithm 1 with an iteration of several calls (a head shared over FPN levels, activation

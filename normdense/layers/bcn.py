@@ -45,13 +45,13 @@ Integration choices (documented in the README):
 * The channel-norm affine is per group (Eq. 42 and the authors' release, shape (G,)); ``group_affine=
   False`` makes it per channel (shape (C,)).
 * ``fused=True`` (default) computes both stages as one map per (sample, channel) from the per-(n, c)
-  moments of x, with an analytic backward that keeps only x (``normdense/layers/_fused.py``): one
-  reduction and one elementwise pass, like nn.GroupNorm. ``fused=False`` is the reference composition
+  moments of x (``coeff_map``), with its closed-form VJP (``coeff_vjp``) and a backward that keeps only x
+  (the StatNorm engine, ``normdense/layers/_statnorm.py``): one reduction and one elementwise pass, like
+  nn.GroupNorm. ``fused=False`` is the reference composition
   (an affine, then ``F.group_norm``) that the tests compare the fused path against.
 * ``recompute=True`` is deprecated: the fused path already keeps only the input. It still applies to
   ``fused=False`` (keep only the input, recompute both stages in backward, ``_recompute.py``).
 """
-import functools
 from typing import Optional, Tuple
 
 import torch
@@ -64,9 +64,10 @@ from ._estimate import EstimateRateMixin, check_rate, set_update_rate, update_es
 from ._estimate import in_backward, watch_backward
 from ._estimate import world_size as _world_size
 from ._eval_maps import standardization_affine
-from ._fused import batch_moments, group_moments, moments_normalized, stat_norm, warn_recompute_deprecated
+from ._fused import compute_dtype
 from ._recompute import _device_autocast as device_autocast
 from ._recompute import autocast_enabled, checkpoint_once, recompute_active
+from ._statnorm import StatNorm2d, warn_recompute_deprecated
 
 BCN_MODES = ('batch', 'estimate')
 _REFERENCE_DTYPES = {}  # (device type, input dtype, batch statistics, autocast dtype) -> output dtype
@@ -90,7 +91,7 @@ def _synced_batch_moments(x: torch.Tensor):
         return mean, sq / total.clamp(min=1), total
 
 
-class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
+class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
     """Batch-Channel Normalization (Eq. 40-43, Algorithm 1); see the module docstring.
 
     Args:
@@ -114,6 +115,7 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
             training, save only the input for backward and recompute both stages in backward.
     """
     _abbr_ = 'bcn'
+    _SYNC_BATCH = True
 
     def __init__(self, num_features: int, num_groups: int = 32, mode: str = 'estimate', eps: float = 1e-5,
                  momentum: float = 0.1, update_rate: Optional[float] = None, sync_stats: Optional[bool] = None,
@@ -192,7 +194,7 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
             raise ValueError(f'BatchChannelNorm2d expects (N, C, H, W) input, got shape {tuple(x.shape)}')
         check_group_values(x, self.num_channels, self.num_groups, 'BatchChannelNorm2d')
         if self.fused and self._fusable(x):
-            y = self._forward_fused(x)
+            y = self._statnorm_forward(x)
         elif recompute_active(self, x):
             y = self._forward_recompute(x)
         else:
@@ -206,30 +208,12 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
             return False
         return self.mode == 'estimate' or not self.training or x.shape[0] * x.shape[2] * x.shape[3] > 1
 
-    def _forward_fused(self, x):
-        """Eq. 40-42 as one per-(n, c) affine map A x + B (``normdense/layers/_fused.py``)."""
-        x3 = x.reshape(x.shape[0], x.shape[1], -1)
-        m, v, normalized = moments_normalized(x3)
-        params = (self.batch_weight, self.batch_bias, self.weight, self.bias)
-        if self.mode == 'estimate' or not self.training:
-            if self.mode == 'estimate' and self.training:
-                fixed = self.estimates_from_moments(m, v, x3.shape[2])
-            else:
-                fixed = (self.running_mean.clone(), self.running_var.clone())  # constants of this call
-            coeffs = functools.partial(self._coeffs, fixed=fixed)
-        elif self.sync_stats and _world_size() > 1:
-            coeffs = functools.partial(self._coeffs, synced=True, positions=x3.shape[2])
-        else:
-            mean, var = batch_moments(m, v)
-            if not in_backward():  # a checkpoint's recomputation tracks nothing: the forward did
-                self._track(mean, var, m.new_full((), x3.shape[0] * x3.shape[2]))
-            coeffs = functools.partial(self._coeffs, positions=x3.shape[2])
-        out_dtype = self._reference_dtype(x, batch_stats=self.mode == 'batch' and self.training and
-                                          coeffs.keywords.get('synced') is None)
-        with torch.autocast(x.device.type, enabled=False):
-            # the coefficients' graph (with the synced moments' all-reduce) is kept: never rerun in backward
-            return stat_norm(x, coeffs, params, out_dtype=out_dtype, stats=(m, v, normalized),
-                             compiled=self.compiled)
+    def _statnorm_params(self):
+        return self.batch_weight, self.batch_bias, self.weight, self.bias
+
+    def _statnorm_dtypes(self, x):
+        synced = self.sync_stats and _world_size() > 1
+        return compute_dtype(x), self._reference_dtype(x, self.mode == 'batch' and self.training and not synced)
 
     def _reference_dtype(self, x, batch_stats: bool) -> torch.dtype:
         """The output dtype of the reference composition: under autocast its F.batch_norm / F.group_norm
@@ -246,50 +230,58 @@ class BatchChannelNorm2d(EstimateRateMixin, nn.GroupNorm):
                 _REFERENCE_DTYPES[key] = F.group_norm(probe, 1, w, w).dtype
         return _REFERENCE_DTYPES[key]
 
-    def _coeffs(self, m, v, batch_weight, batch_bias, weight, bias, fixed=None, synced=False, positions=1):
-        """Per-(n, c) (A, B) of BCN from the per-(n, c) moments m, v of x: the first stage
-        u = a x + c (Eq. 40), then the group statistics of u and the channel-stage affine (Eq. 42)."""
-        cd = m.dtype
-        if fixed is not None:  # estimates (Algorithm 1) or eval statistics: constants
-            mean, var = (t.to(cd) for t in fixed)
-        elif synced:
-            mean, var, count = self._synced_moments(m, v, positions)
-            if not in_backward():
-                self._track(mean.detach(), var.detach(), count)
-        else:
-            mean, var = batch_moments(m, v)
-        a = batch_weight.to(cd) * torch.rsqrt(var + self.eps)
-        c = batch_bias.to(cd) - mean * a
-        um, uv = m * a + c, v * (a * a)  # per-(n, c) mean and variance of u
-        gmean, gvar = group_moments(um, uv, self.num_groups)
-        per_group = self.num_channels // self.num_groups
-        r = torch.rsqrt(gvar + self.eps).repeat_interleave(per_group, 1)
-        gmean = gmean.repeat_interleave(per_group, 1)
-        w, b = weight.to(cd), bias.to(cd)
+    def coeff_map(self, m, v, mean, var, params, positions, count):
+        """Eq. 40-42 as per-(n, c) (A, B) of y = A (x - m) + B, from the per-(n, c) moments m, v of x and the
+        first stage's statistics (mean, var): the first stage u = a (x - mean) + beta^b with
+        a = gamma^b / sqrt(var + eps) (Eq. 40), the per-(n, g) moments of u from those of x (law of total
+        variance), then the channel stage (Eq. 42): A = gamma^c a / sigma_g, B = gamma^c (mu_u - mu_g) /
+        sigma_g + beta^c (B is the output's mean per (n, c): centred terms only). Pure."""
+        bw, bb, w, b = (p.to(m.dtype) for p in params)
+        n, c = m.shape
+        g = self.num_groups
+        per = c // g
+        rs = torch.rsqrt(var + self.eps)
+        a = bw * rs
+        mc = m - mean
+        a2 = a * a
+        um = torch.addcmul(bb, mc, a).view(n, g, per)  # per-(n, c) mean of u
+        d = um - um.mean(2, keepdim=True)
+        r = torch.rsqrt(torch.addcmul((v * a2).view(n, g, per), d, d).mean(2, keepdim=True) + self.eps)
+        wv, bv = (w.view(g, 1), b.view(g, 1)) if self.group_affine else (w.view(g, per), b.view(g, per))
+        s = r * wv
+        coeffs = (s * a.view(g, per)).view(n, c), torch.addcmul(bv, s, d).view(n, c)
+        return coeffs, (rs, a, a2, mc, v, d, r, wv, s, bw)
+
+    def coeff_vjp(self, res, grads, wants_stats):
+        """Closed-form VJP of :meth:`coeff_map`: (dm, dv, dmean, dvar, (d batch_weight, d batch_bias, d weight,
+        d bias)) for the gradients (gA, gB) of (A, B)."""
+        rs, a, a2, mc, v, d, r, wv, s, bw = res
+        ga, gb = grads
+        n, c = ga.shape
+        g = self.num_groups
+        per = c // g
+        ga3, gb3 = ga.view(n, g, per), gb.view(n, g, per)
+        gs = torch.addcmul(ga3 * a.view(g, per), gb3, d)  # d loss / d s, per (n, c)
         if self.group_affine:
-            w, b = w.repeat_interleave(per_group), b.repeat_interleave(per_group)
-        scale = w * r
-        # y = A (x - m) + B with B the output's mean per (n, c): centred terms only (see _fused.py)
-        return scale * a, scale * (um - gmean) + b
-
-    def _synced_moments(self, m, v, positions):
-        """Batch mode across processes: the differentiable batch moments over every process's samples, in
-        two all-reduces (the squares around the global mean: no E[x^2] - E[x]^2 cancellation)."""
-        from torch.distributed.nn.functional import all_reduce
-        count = m.new_full((1, ), m.shape[0] * positions)
-        packed = all_reduce(torch.cat([m.sum(0) * positions, count]))
-        total = packed[-1]
-        mean = packed[:-1] / total.clamp(min=1)
-        sq = all_reduce((v + (m - mean).square()).sum(0) * positions)
-        return mean, sq / total.clamp(min=1), total
-
-    def _track(self, mean, var, count):
-        """Batch mode: running statistics with the unbiased variance (as F.batch_norm), once per forward."""
-        with torch.no_grad():
-            unbiased = var * count / (count - 1).clamp(min=1)
-            weight = (count > 0).to(self.running_mean.dtype) * self.momentum
-            self.running_mean.lerp_(mean.to(self.running_mean.dtype), weight)
-            self.running_var.lerp_(unbiased.to(self.running_var.dtype), weight)
+            gs = gs.sum(2, keepdim=True)
+            db, dw, dr = gb3.sum((0, 2)), (gs * r).sum((0, 2)), gs * wv
+        else:
+            db, dw, dr = gb3.sum(0).view(c), (gs * r).sum(0).view(c), (gs * wv).sum(2, keepdim=True)
+        # r = (var_g + eps)^-1/2, var_g = mean over the group of (uv + d^2): d var_g / P per (n, g)
+        dvg = dr * r.pow(3) * (-0.5 / per)
+        gd = torch.addcmul(gb3 * s, d, dvg, value=2.0)
+        dum = (gd - gd.mean(2, keepdim=True)).view(n, c)  # d = um - mean_g(um)
+        duv = (dvg * v.view(n, g, per)).view(n, c)
+        dv = (dvg * a2.view(g, per)).view(n, c)
+        dm = dum * a
+        # a enters A = s a, um = a mc + beta^b, uv = a^2 v
+        da = torch.addcmul((ga3 * s).view(n, c).addcmul_(dum, mc), duv, a, value=2.0).sum(0)
+        dbw, dbb = da * rs, dum.sum(0)
+        dmean = dvar = None
+        if wants_stats:  # batch statistics: mean and var are functions of m, v (the engine chains them)
+            dmean = -dm.sum(0)
+            dvar = da * bw * rs.pow(3) * -0.5
+        return dm, dv, dmean, dvar, (dbw, dbb, dw, db)
 
     def _forward_recompute(self, x):
         """Training forward keeping only x (and channel-sized statistics) for backward. The parameters

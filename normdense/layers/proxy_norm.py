@@ -23,7 +23,7 @@ activations phi are listed in ``normdense/layers/_activations.py``.
 
 ``fused=True`` (default) computes the layer as ``K phi(A x + B) + L`` with per-(sample, channel) A, B (GN
 and its affine) and per-channel K, L (the proxy moments), from the per-(n, c) moments of x, with an
-analytic backward that keeps only x (``normdense/layers/_fused.py``). ``fused=False`` is the reference
+closed-form backward that keeps only x (``normdense/layers/_statnorm.py``). ``fused=False`` is the reference
 composition below (``F.group_norm``, phi, proxy normalization) that the tests compare it against.
 
 ``recompute=True`` is deprecated (the fused path keeps only the input); with ``fused=False`` it keeps only
@@ -42,11 +42,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._activations import PROXY_NORM_ACTIVATIONS, activation_fn
+from ._activations import PROXY_NORM_ACTIVATIONS, activation
 from ._activations import resolve_activation as _resolve_activation
 from ._checks import check_group_values
-from ._fused import compute_dtype, group_moments, stat_norm, warn_recompute_deprecated
 from ._recompute import checkpoint_once, recompute_active
+from ._statnorm import StatNorm2d, warn_recompute_deprecated
 
 __all__ = ['GroupProxyNorm', 'proxy_quantiles', 'PROXY_NORM_ACTIVATIONS']
 
@@ -70,12 +70,16 @@ def _cached_quantiles(num_samples: int, dtype: torch.dtype, device: torch.device
         return proxy_quantiles(num_samples, dtype, device)
 
 
+def _ones_like_expanded(m: torch.Tensor) -> torch.Tensor:
+    return m.new_ones(1).expand_as(m)
+
+
 def _stat_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """float64 if anything is float64, else float32: proxy statistics never run in fp16/bf16."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-class GroupProxyNorm(nn.GroupNorm):
+class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
     """GN (no affine) + proxy-normalized activation step, Eq. 7 of the PN paper ("GN+PN").
 
     Built by mmcv's ``build_norm_layer(dict(type='GNPN', num_groups=32), C)``, which calls
@@ -205,28 +209,88 @@ class GroupProxyNorm(nn.GroupNorm):
         dtype = _stat_dtype(x, self.weight)
         params = (self.weight, self.bias, self.proxy_beta, self.proxy_gamma)
         if self.fused and x.numel() > 0:
-            with torch.autocast(device_type=x.device.type, enabled=False):
-                xs = x if compute_dtype(x) == dtype else x.to(dtype)
-                return stat_norm(xs, functools.partial(self._coeffs, dtype=dtype), params,
-                                 act=activation_fn(self.act, self.act_kwargs), out_dtype=x.dtype,
-                                 recompute_coeffs=True, compiled=self.compiled)  # not the (C, n) proxy graph
+            return self._statnorm_forward(x)
         if recompute_active(self, x):
             # Everything, the (C, n) proxy statistics included, is recomputed in backward: only x is
             # kept. The parameters are passed in, so the recomputation uses the forward's tensors.
             return checkpoint_once(lambda first, inp, *ps: self._eq7(inp, dtype, *ps), x, *params)
         return self._eq7(x, dtype, *params)
 
-    def _coeffs(self, m, v, weight, bias, proxy_beta, proxy_gamma, dtype):
-        """Eq. 7 as y = K phi(A (x - m) + B) + L: A = gamma / sigma_g and B = beta + A (m - mu_g) of the GN
-        stage per (n, c), K, L = 1 / s and -mean / s of the proxy moments per channel (expanded to (N, C))."""
-        gmean, gvar = group_moments(m, v, self.num_groups)
-        per_group = self.num_channels // self.num_groups
-        r = torch.rsqrt(gvar + self.eps).repeat_interleave(per_group, 1)
-        a = weight.to(dtype) * r
-        b = bias.to(dtype) + a * (m - gmean.repeat_interleave(per_group, 1))  # pre-activation mean per (n, c)
-        mean, var = self._proxy_moments(weight, bias, proxy_beta, proxy_gamma, dtype)
-        k = torch.rsqrt(var + self.proxy_eps) if self.proxy_scaling else torch.ones_like(var)
-        return a, b, k.expand_as(a), (-mean * k).expand_as(a)
+    _FIRST_STAGE = 'none'
+
+    def _statnorm_params(self):
+        return self.weight, self.bias, self.proxy_beta, self.proxy_gamma
+
+    def _statnorm_act(self):
+        return activation(self.act, self.act_kwargs)
+
+    def _statnorm_dtypes(self, x):
+        return _stat_dtype(x, self.weight), x.dtype
+
+    def coeff_map(self, m, v, mean, var, params, positions, count):
+        """Eq. 7 as y = K phi(A (x - m) + B) + L per (n, c), from the per-(n, c) moments m, v of x: the GN stage
+        A = gamma / sigma_g, B = beta + A (m - mu_g) (the pre-activation's mean per (n, c)), and the proxy
+        moments per channel, K = 1 / sqrt(Var[phi(gamma Y + beta)] + eps_pn), L = -E[phi(gamma Y + beta)] K
+        over the deterministic proxy samples Y = beta~ + (1 + gamma~) q (App. B). Pure."""
+        weight, bias, proxy_beta, proxy_gamma = params
+        dtype = m.dtype
+        w, b = weight.to(dtype), bias.to(dtype)
+        n, c = m.shape
+        g = self.num_groups
+        per = c // g
+        m3 = m.view(n, g, per)
+        d = m3 - m3.mean(2, keepdim=True)
+        r = torch.rsqrt(torch.addcmul(v.view(n, g, per), d, d).mean(2, keepdim=True) + self.eps)  # (N, G, 1)
+        a3 = r * w.view(g, per)
+        b3 = torch.addcmul(b.view(g, per), a3, d)
+        q = _cached_quantiles(self.num_samples, dtype, m.device)
+        if self.proxy_affine:
+            y = torch.addcmul(proxy_beta.to(dtype)[:, None], 1 + proxy_gamma.to(dtype)[:, None], q)
+        else:
+            y = q.expand(c, -1)
+        z = torch.addcmul(b[:, None], w[:, None], y)  # (C, n) pre-activations of the proxy
+        act = self._statnorm_act()
+        out = act.forward(z)
+        pvar, pmean = torch.var_mean(out, dim=1, correction=0)  # expectation over the proxy: 1/n
+        k = torch.rsqrt(pvar + self.proxy_eps) if self.proxy_scaling else None
+        l_ = -pmean * k if self.proxy_scaling else -pmean
+        kk = k.expand(n, c) if self.proxy_scaling else _ones_like_expanded(m)
+        coeffs = a3.view(n, c), b3.view(n, c), kk, l_.expand(n, c)
+        return coeffs, (d, r, w, a3, y, z, out, pmean, k, q, act)
+
+    def coeff_vjp(self, res, grads, wants_stats):
+        """Closed-form VJP of :meth:`coeff_map`: (dm, dv, None, None, (d weight, d bias, d proxy_beta,
+        d proxy_gamma)); phi' through phi's own ATen backward op (``_activations.Activation``)."""
+        d, r, w, a3, y, z, out, pmean, k, q, act = res
+        ga, gb, gk, gl = grads
+        n, c = ga.shape
+        g = self.num_groups
+        per = c // g
+        ga3, gb3 = ga.view(n, g, per), gb.view(n, g, per)
+        ga_t = torch.addcmul(ga3, gb3, d)  # B = beta + A d
+        dw = (ga_t * r).sum(0).view(c)
+        dvg = (ga_t * w.view(g, per)).sum(2, keepdim=True) * r.pow(3) * (-0.5 / per)  # through r, / P
+        gd = torch.addcmul(gb3 * a3, d, dvg, value=2.0)
+        dm = (gd - gd.mean(2, keepdim=True)).view(n, c)
+        dv = dvg.expand(n, g, per).reshape(n, c)
+        db = gb.sum(0)
+        # proxy moments: K, L per channel
+        gkc, glc = gk.sum(0), gl.sum(0)
+        samples = out.shape[1]
+        if self.proxy_scaling:
+            dmean = -glc * k
+            dvar = torch.addcmul(gkc, glc, pmean, value=-1.0) * k.pow(3) * (-0.5)
+            dout = torch.addcmul((dmean / samples)[:, None], out - pmean[:, None], (dvar * (2.0 / samples))[:, None])
+        else:
+            dout = (-glc / samples)[:, None].expand_as(out)
+        dz = act.backward(dout, z, out)
+        dw = dw + (dz * y).sum(1)
+        db = db + dz.sum(1)
+        dpb = dpg = None
+        if self.proxy_affine:
+            dyq = dz * w[:, None]
+            dpb, dpg = dyq.sum(1), (dyq * q).sum(1)
+        return dm, dv, None, None, (dw, db, dpb, dpg)
 
     def _eq7(self, x: torch.Tensor, dtype: torch.dtype, weight, bias, proxy_beta, proxy_gamma) -> torch.Tensor:
         """Eq. 7 with the given parameters, computed in ``dtype`` with autocast disabled."""

@@ -28,13 +28,13 @@ Statistics of stage 1:
   with ``momentum``, unbiased variance, as ``nn.BatchNorm``) in eval.
 * ``mode='estimate'`` (OUR extension, not in the paper): stage 1 normalizes with BCN-style estimates
   mu_hat, sigma_hat^2 (init 0 and 1, Algorithm 1 of the WS/BCN paper) that the loss does not train. Each
-  training forward first moves them with rate r (``normdense.layers._estimate.update_estimates_``), then
+  training forward first moves them with rate r (``normdense.layers._estimate``), then
   normalizes with them (once per training iteration, as BCN: a shared layer's calls and an activation
-  checkpoint's recomputation do not move them again); eval uses them unchanged. This removes the batch dependence of stage 1 so the
-  layer trains at batch size 1 on 1x1 maps (stage 2 is per sample anyway). r comes from ``EstimateRateHook``
-  (alias ``BCNRateHook``; the optimizer's current lr, as BCN) or a fixed ``update_rate``, in [0, 1]; a
-  training forward with neither raises ``RuntimeError``. The estimates live in the
-  ``running_mean``/``running_var`` buffers (kept float32 under ``model.half()``/``bfloat16()``); an empty
+  checkpoint's recomputation do not move them again); eval uses them unchanged. This removes the batch
+  dependence of stage 1 so the layer trains at batch size 1 on 1x1 maps (stage 2 is per sample anyway). r
+  comes from ``EstimateRateHook`` (alias ``BCNRateHook``; the optimizer's current lr, as BCN) or a fixed
+  ``update_rate``, in [0, 1]; a training forward with neither raises ``RuntimeError``. The estimates live in
+  the ``running_mean``/``running_var`` buffers (kept float32 under ``model.half()``/``bfloat16()``); an empty
   input (a RoI head with no RoIs) still joins ``sync_stats``'s all-reduce, with a count of 0.
 
 Conventions of the only public implementation (a Keras repository), as options; the defaults are the
@@ -47,12 +47,11 @@ paper's:
   m / (m - 1 - eps), m = N*H*W values per channel (running statistics are unchanged).
 
 ``fused=True`` (default) computes both stages as one map A x + B per (sample, channel) from the per-(n, c)
-moments of x, with an analytic backward that keeps only x (``normdense/layers/_fused.py``); ``fused=False``
+moments of x, with a closed-form backward that keeps only x (``normdense/layers/_statnorm.py``); ``fused=False``
 is the reference composition below, which the tests compare it against. ``recompute=True`` is deprecated
 (the fused path keeps only the input); with ``fused=False`` it keeps only the input and recomputes both
 stages in backward (``normdense/layers/_recompute.py``).
 """
-import functools
 import numbers
 from typing import Optional, Tuple
 
@@ -61,8 +60,8 @@ import torch.nn as nn
 
 from ._estimate import EstimateRateMixin, in_backward, watch_backward
 from ._eval_maps import standardization_affine
-from ._fused import batch_moments, moments_normalized, stat_norm, warn_recompute_deprecated
 from ._recompute import checkpoint_once, recompute_active
+from ._statnorm import StatNorm2d, warn_recompute_deprecated
 
 UNITIZATION_MODES = ('batch', 'estimate')
 NORM_DIVISORS = ('hw', 'hw_squared')
@@ -75,7 +74,7 @@ def _compute_input(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
-class Unitization2d(EstimateRateMixin, nn.Module):
+class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
     """Unitization layer (Algorithm 2); see the module docstring.
 
     Args:
@@ -206,57 +205,59 @@ class Unitization2d(EstimateRateMixin, nn.Module):
                 self._stage1_stats(_compute_input(x))
             return x * 0 + sum(p.sum() for p in self.parameters()) * 0
         if self.fused and (self.mode == 'estimate' or not self.training or x.numel() // x.shape[1] > 1):
-            return self._forward_fused(x)
+            return self._statnorm_forward(x)
         if recompute_active(self, x):
             return self._forward_recompute(x)
         xf = _compute_input(x)
         mean, var = self._stage1_stats(xf)
         return self._unitize(xf, mean, var, self.alpha, self.weight, self.bias).to(x.dtype)
 
-    def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        """Both stages as one per-(n, c) affine map A x + B (``normdense/layers/_fused.py``)."""
-        x3 = x.reshape(x.shape[0], x.shape[1], -1)
-        m, v, normalized = moments_normalized(x3)
-        positions = x3.shape[2]
-        fixed = None
-        if self.mode == 'estimate' or not self.training:
-            if self.mode == 'estimate' and self.training:
-                fixed = self.estimates_from_moments(m, v, positions)
-            else:
-                fixed = (self.running_mean.clone(), self.running_var.clone())  # constants of this call
-        elif not in_backward():  # a checkpoint's recomputation tracks nothing: the forward did
-            self._track(*batch_moments(m, v), m.shape[0] * positions)
-        coeffs = functools.partial(self._coeffs, fixed=fixed, positions=positions)
-        return stat_norm(x, coeffs, (self.alpha, self.weight, self.bias), stats=(m, v, normalized),
-                         compiled=self.compiled)
+    def _statnorm_params(self):
+        return self.alpha, self.weight, self.bias
 
-    def _track(self, mean, var, count):
-        """Batch mode: running statistics (unbiased variance, as nn.BatchNorm), once per forward."""
-        with torch.no_grad():
-            self.num_batches_tracked.add_(1)
-            f = (1.0 / self.num_batches_tracked).to(self.running_mean.dtype) if self.momentum is None \
-                else self.momentum
-            self.running_mean.lerp_(mean.to(self.running_mean.dtype), f)
-            self.running_var.lerp_((var * (count / (count - 1))).to(self.running_var.dtype), f)
-
-    def _coeffs(self, m, v, alpha, weight, bias, fixed=None, positions=1):
-        """(A, B) per (n, c) from the per-(n, c) moments: stage 1 standardizes with (mu, sigma^2) (fixed, or
-        the batch moments), and sum_{c, l} x_hat^2 = sum_c L (v + (m - mu)^2) / (sigma^2 + eps)."""
-        cd = m.dtype
-        if fixed is not None:
-            mean, var = (t.to(cd) for t in fixed)
-        else:
-            mean, var = batch_moments(m, v)
-            var = var * self._var_factor(m.shape[0] * positions)
+    def coeff_map(self, m, v, mean, var, params, positions, count):
+        """Both stages as per-(n, c) (A, B) of y = A (x - m) + B, from the per-(n, c) moments m, v of x and
+        stage 1's statistics (mean, var; the batch moments when ``count`` is given): with
+        rs = 1 / sqrt(var + eps), sum_{c, l} x_hat^2 = sum_c L (v + (m - mean)^2) rs^2 (Algorithm 2 lines
+        9-10), p = 1 / sqrt(s + eps) (Eq. 16), A = gamma (p alpha + 1 - alpha) rs, B = A (m - mean) + beta
+        (the output's mean per (n, c)). Pure."""
+        alpha, w, b = (None if p is None else p.to(m.dtype) for p in params)
+        if count is not None:
+            var = var * self._var_factor(count)
         rs = torch.rsqrt(var + self.eps)
-        s = (positions * (v + (m - mean).square()) * rs.square()).sum(1) / self._divisor(positions)
-        alpha = alpha.to(cd)
-        scale = torch.rsqrt(s + self.eps)[:, None] * alpha + (1.0 - alpha)
-        if self.affine:
-            scale = scale * weight.to(cd)
+        mc = m - mean
+        e = torch.addcmul(v, mc, mc)  # mean over positions of (x - mean)^2, per (n, c)
+        rs2 = rs * rs
+        k = positions / self._divisor(positions)
+        p = torch.rsqrt((e * rs2).sum(1, keepdim=True) * k + self.eps)  # (N, 1)
+        sc0 = torch.addcmul(1.0 - alpha, p, alpha)
+        scale = sc0 * w if self.affine else sc0
         a = scale * rs
-        b = a * (m - mean)  # the output's mean per (n, c): y = A (x - m) + B (see _fused.py)
-        return a, (b + bias.to(cd) if self.affine else b)
+        b_ = torch.addcmul(b, a, mc) if self.affine else a * mc
+        return (a, b_), (rs, rs2, mc, e, p, alpha, sc0, w, scale, a, k, count)
+
+    def coeff_vjp(self, res, grads, wants_stats):
+        """Closed-form VJP of :meth:`coeff_map`: (dm, dv, dmean, dvar, (d alpha, d weight, d bias))."""
+        rs, rs2, mc, e, p, alpha, sc0, w, scale, a, k, count = res
+        ga, gb = grads
+        ga_t = torch.addcmul(ga, gb, mc)  # B = A mc + beta
+        g_scale = ga_t * rs
+        if self.affine:
+            dw, db = (g_scale * sc0).sum(0), gb.sum(0)
+            g_sc0 = g_scale * w
+        else:
+            dw = db = None
+            g_sc0 = g_scale
+        dalpha = (g_sc0 * (p - 1.0)).sum(0)
+        ds = (g_sc0 * alpha).sum(1, keepdim=True) * p.pow(3) * (-0.5 * k)  # d loss / d (sum_c e rs^2), (N, 1)
+        de = ds * rs2
+        dm = torch.addcmul(gb * a, de, mc, value=2.0)
+        dmean = dvar = None
+        if wants_stats:
+            dmean = -dm.sum(0)
+            g_rs = torch.addcmul((ga_t * scale).sum(0), (ds * e).sum(0), rs, value=2.0)
+            dvar = g_rs * rs.pow(3) * (-0.5 * self._var_factor(count))
+        return dm, de, dmean, dvar, (dalpha, dw, db)
 
     def _forward_recompute(self, x: torch.Tensor) -> torch.Tensor:
         """Training forward keeping only x (half inputs stay half) for backward. The parameters are

@@ -26,7 +26,13 @@ def rank_batch(rank):
 def layers():
     return {'unitization_estimate': Unitization2d(C, mode='estimate', update_rate=0.5, sync_stats=True),
             'bcn_estimate': BatchChannelNorm2d(C, 4, mode='estimate', update_rate=0.5, sync_stats=True),
-            'bcn_batch_all_empty': BatchChannelNorm2d(C, 4, mode='batch', sync_stats=True)}
+            'bcn_batch_all_empty': BatchChannelNorm2d(C, 4, mode='batch', sync_stats=True),
+            # rank 0 empty (the reference path), rank 1 not (the fused path): their all-reduces must pair
+            'bcn_batch_one_empty': BatchChannelNorm2d(C, 4, mode='batch', sync_stats=True)}
+
+
+def loss_weight(out):
+    return torch.linspace(-1, 2, out.numel(), dtype=out.dtype).view(out.shape)
 
 
 def main(rank, init_file, out_dir):
@@ -37,8 +43,11 @@ def main(rank, init_file, out_dir):
         for name, layer in layers().items():
             x = rank_batch(rank) if name != 'bcn_batch_all_empty' else rank_batch(0)
             x.requires_grad_(True)
-            layer.train()(x).sum().backward()
+            out = layer.train()(x)
+            (out * loss_weight(out)).sum().backward()
             result[name] = {n: b.clone() for n, b in layer.named_buffers()}
+            result[name].update(out=out.detach(), grad_x=x.grad, **{'grad_' + n: p.grad for n, p in
+                                                                     layer.named_parameters()})
         dist.barrier()
         torch.save(result, f'{out_dir}/rank{rank}.pth')
     finally:

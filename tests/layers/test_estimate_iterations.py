@@ -177,7 +177,8 @@ def test_mmdet_resnet_with_cp_equals_plain():
 
     def build(with_cp):
         torch.manual_seed(0)
-        return ResNet(depth=18, base_channels=8, stem_channels=8, num_stages=2, strides=(1, 2), dilations=(1, 1), out_indices=(0, 1),
+        return ResNet(depth=18, base_channels=8, stem_channels=8, num_stages=2, strides=(1, 2), dilations=(1, 1),
+                      out_indices=(0, 1),
                       norm_cfg=dict(type='BCN', num_groups=4, mode='estimate'), with_cp=with_cp).double()
 
     def run(model):
@@ -236,7 +237,8 @@ def test_sync_stats_checkpointed_and_half_precision_two_ranks(tmp_path):
                 for key in ('grads', 'buffers'):
                     for a, b in zip(plain[key], ckpt[key]):
                         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12, msg=f'{name} {cp} {key}')
-        for a, b in zip(ranks[0]['checkpoint'][name]['plain']['buffers'], ranks[1]['checkpoint'][name]['plain']['buffers']):
+        buffers = [rank['checkpoint'][name]['plain']['buffers'] for rank in ranks]
+        for a, b in zip(*buffers):
             assert torch.equal(a, b), name
     for rank in ranks:
         for dtype in ('float16', 'bfloat16'):

@@ -37,11 +37,10 @@ from mmengine.registry import MODELS
 from ...codebases import is_installed, require
 from ...layers.proxy_norm import GroupProxyNorm
 
-if is_installed('mmseg'):
-    from mmseg.models.backbones.resnet import BasicBlock, Bottleneck, ResNet
-else:  # detection-only environment
-    require('mmdet', 'PNResNet (without mmsegmentation)')
-    from mmdet.models.backbones.resnet import BasicBlock, Bottleneck, ResNet
+# require(): a one-line error when the codebase is missing or its import fails on mmcv's ops
+_resnet = require('mmseg.models.backbones.resnet' if is_installed('mmseg')
+                  else 'mmdet.models.backbones.resnet', 'PNResNet')  # mmdet: detection-only environment
+BasicBlock, Bottleneck, ResNet = _resnet.BasicBlock, _resnet.Bottleneck, _resnet.ResNet
 
 __all__ = ['PNBasicBlock', 'PNBottleneck', 'PNResNet', 'PNResNetV1c']
 
@@ -219,3 +218,4 @@ class PNResNetV1c(PNResNet):
 
     def __init__(self, **kwargs):
         super().__init__(deep_stem=True, avg_down=False, **kwargs)
+
