@@ -323,7 +323,8 @@ def _revert_norm(new, source_cls, kwargs):
             if old.affine:
                 _copy(old.weight, new.batch_weight), _copy(old.bias, new.batch_bias)
             untrained = all(torch.all(t == v) for t, v in ((new.weight, 1), (new.bias, 0)))
-            note = 'batch stage kept' + ('' if untrained else '; the trained channel stage is dropped (function changes)')
+            dropped = '; the trained channel stage is dropped (function changes)'
+            note = 'batch stage kept' + ('' if untrained else dropped)
         elif old.affine:
             per = new.num_channels // new.num_groups if new.group_affine else 1
             _copy(old.weight, new.weight.detach().repeat_interleave(per))

@@ -1,23 +1,27 @@
 """The norm switch: one name (``'bcn-ws'``, ``'gn-ws'``, ...) puts a normalization into every ``norm_cfg`` /
 ``conv_cfg`` slot of any mmdet / mmseg / mmpretrain config's model, and adds what that norm needs.
 
-Three ways in, one implementation (:func:`switch_norm`):
+Four ways in, one implementation (:func:`switch_norm`):
 
 * ``tools/train.py ANY_CONFIG --norm bcn-ws`` (and ``tools/test.py``);
 * in a config, for the codebases' own ``train.py`` / ``test.py`` and ``mim train``::
 
-      _base_ = ['mmdet::retinanet/retinanet_r50_fpn_1x_coco.py', 'normdense::_base_/norm_switch.py']
-      normdense_norm = 'bcn-ws'        # or dict(norm='bcn-ws', num_groups=16, exclude=[...], convert=True)
+      _base_ = ['mmdet::retinanet/retinanet_r50_fpn_1x_coco.py']
+      custom_imports = dict(imports=['normdense'], allow_failed_imports=False)
+      runner_type = 'NormSwitchRunner'  # the two lines of configs/_base_/norm_switch.py
+      normdense_norm = 'bcn-ws'         # or dict(norm='bcn-ws', num_groups=16, exclude=[...], convert=True)
 
-  where ``configs/_base_/norm_switch.py`` sets ``custom_imports`` and ``runner_type='NormSwitchRunner'``;
+* the model-type form, for code that builds ``cfg.model`` without honouring ``runner_type`` (mmseg 1.2.2's
+  ``tools/test.py``, ``init_detector``): ``model = dict(_delete_=True, type='NormSwitched', norm='bcn-ws',
+  model={{_base_.model}})`` (:func:`build_norm_switched`; hooks are then the config's to add);
 * from Python: ``switch_norm(cfg, 'bcn-ws')`` on a loaded ``Config``.
 
-Why a runner type: a text config cannot call a function after its ``_base_`` inheritance, and the
+Why a runner type first: a text config cannot call a function after its ``_base_`` inheritance, and the
 switch must change more than the model (``custom_hooks``: ``EstimateRateHook``; the optimizer's
 ``paramwise_cfg`` for GN+PN) and must reach the *built* model before the optimizer exists (modules that
-hard-code their layers). The codebases' ``train.py`` / ``test.py`` build ``cfg.runner_type`` through
-mmengine's ``RUNNERS`` when it is set, and a runner sees the whole config and builds the model: a
-registered model type would see only the model dict and could not add the hook.
+hard-code their layers). mmdet's and mmpretrain's ``train.py`` / ``test.py`` and mmseg's ``train.py`` build
+``cfg.runner_type`` through mmengine's ``RUNNERS`` when it is set, and a runner sees the whole config and
+builds the model; a registered model type sees only the model dict and cannot add the hook.
 
 What is switched: every module dict in ``cfg.model`` whose class takes ``norm_cfg`` (backbone, neck,
 heads, their sub-heads) gets the norm, and its ``conv_cfg`` the conv (``WSConv2d`` for ``*-ws``, plain for
@@ -97,7 +101,8 @@ class SwitchReport:
         lines += [f'  {s:<{width}}  {t:<28}  left: {w}' for s, t, w in self.left]
         lines += [f'  note: {n}' for n in self.notes]
         if self.census is not None:
-            lines.append('  built model: ' + ', '.join(f'{name} x{count}' for name, count in sorted(self.census.items())))
+            counts = sorted(self.census.items())
+            lines.append('  built model: ' + ', '.join(f'{name} x{count}' for name, count in counts))
         if self.conversion is not None:
             lines += ['  ' + line for line in self.conversion.table().splitlines()]
         return '\n'.join(lines)

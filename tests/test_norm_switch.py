@@ -151,7 +151,8 @@ def test_switch_is_idempotent_and_keeps_existing_rate_hook():
     assert cfg.custom_imports.imports == ['normdense'] and len(again.switched) == 2 and first
 
 
-EXPECTED = {'bn': ('BatchNorm2d', ), 'gn': ('GroupNorm', ), 'gn-ws': ('GroupNorm', ), 'bcn-ws': ('BatchChannelNorm2d', ),
+EXPECTED = {'bn': ('BatchNorm2d', ), 'gn': ('GroupNorm', ), 'gn-ws': ('GroupNorm', ),
+            'bcn-ws': ('BatchChannelNorm2d', ),
             'gn-pn': ('GroupProxyNorm', 'GroupNorm'), 'iternorm': ('IterNorm', ), 'unitization': ('Unitization2d', )}
 
 
@@ -228,8 +229,8 @@ def test_model_type_form_with_a_plain_runner(tmp_path):
     cfg.work_dir = str(tmp_path / 'work')
     from mmengine.runner import Runner
     plain = Runner.from_cfg(cfg).model  # what mmseg's test.py and init_detector do
-    switched = build_like_codebase_tools(write_config(tmp_path, 'mmdet::retinanet/retinanet_r50_fpn_1x_coco.py',
-                                                      "normdense_norm = 'bcn-ws'\nmodel = dict(backbone=dict(init_cfg=None))"),
-                                         tmp_path).model
+    runner_form = write_config(tmp_path, 'mmdet::retinanet/retinanet_r50_fpn_1x_coco.py',
+                               "normdense_norm = 'bcn-ws'\nmodel = dict(backbone=dict(init_cfg=None))")
+    switched = build_like_codebase_tools(runner_form, tmp_path).model
     assert type(plain) is type(switched) and list(plain.state_dict()) == list(switched.state_dict())
     assert sum(isinstance(m, BatchChannelNorm2d) for m in plain.modules()) == 69
