@@ -229,10 +229,13 @@ def prepare_cpu_distributed(cfg):
 
 
 def apply_norm_arg(cfg, norm):
-    """``--norm NAME``: the norm switch (normdense/norm_switch.py), applied by NormSwitchRunner."""
+    """``--norm NAME``: the norm switch (normdense/norm_switch.py), applied by NormSwitchRunner. A config's own
+    ``normdense_norm`` is checked here too, so a wrong name is one line before anything is built."""
+    from normdense.norm_switch import parse_spec, request_switch
     if norm:
-        from normdense.norm_switch import request_switch
         request_switch(cfg, norm)
+    elif cfg.get('normdense_norm'):
+        parse_spec(cfg.normdense_norm)
     return cfg
 
 

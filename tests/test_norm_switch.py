@@ -135,6 +135,11 @@ def test_tools_norm_argument_and_errors(tmp_path):
         launch.parse_args(launch.train_arg_parser(), [config, '--norm', 'batchchannel'])
     with pytest.raises(ValueError, match='choose one of bn, gn, gn-ws, bcn-ws, gn-pn, iternorm, unitization'):
         switch_norm(cfg, 'bcn')
+    cfg.normdense_norm = 'bcn'  # a config's own name is checked before the runner is built
+    args = launch.parse_args(launch.train_arg_parser(), [config, '--work-dir', str(tmp_path)])
+    with pytest.raises(ValueError, match='unknown norm .bcn.; choose one of'):
+        launch.apply_norm_arg(cfg, args.norm)
+    cfg.normdense_norm = None
     cfg.runner_type = 'FlexibleRunner'
     with pytest.raises(ValueError, match='normdense.switch_norm'):
         launch.apply_norm_arg(cfg, 'gn')
