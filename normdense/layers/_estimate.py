@@ -148,10 +148,10 @@ class _Iteration:
     """One training iteration of one layer: the estimates it started from, the rate, the summed moments of
     its calls so far, and (with sync) each call's local and all-reduced sums for the recomputation."""
 
-    def __init__(self, token, base):
-        # base: (2, C) copy of (estimated mean, estimated variance) at the iteration's start
-        self.token, self.base, self.mean, self.var = token, base, base[0], base[1]
-        self.rate = None
+    def __init__(self, token, base, rate):
+        # base: (2, C) copy of (estimated mean, estimated variance) at the iteration's start; rate: r, read
+        # once (a recomputation in backward uses the forward's)
+        self.token, self.base, self.mean, self.var, self.rate = token, base, base[0], base[1], rate
         self.total = None
         self.local, self.synced = [], []
 
@@ -229,7 +229,8 @@ class EstimateRateMixin:
                                    "this iteration's forward")
             return st
         if st is None or st.token != _TOKEN[0]:
-            st = _Iteration(_TOKEN[0], torch.stack([self.running_mean.detach(), self.running_var.detach()]))
+            st = _Iteration(_TOKEN[0], torch.stack([self.running_mean.detach(), self.running_var.detach()]),
+                            self._rate())
             self.__dict__['_iteration'] = st
             if isinstance(getattr(self, 'num_batches_tracked', None), torch.Tensor):
                 self.num_batches_tracked.add_(1)  # iterations, not calls
@@ -240,11 +241,8 @@ class EstimateRateMixin:
         ``count`` a Python int: the call's estimates lerp(start, moments, r), the buffers lerp(start, moments of
         all the iteration's calls, r) (equal to the call's for the first call of an iteration)."""
         base = st.base.to(moments.dtype)
-        backward = in_backward()
-        if st.rate is None or not backward:
-            st.rate = self._rate() if st.rate is None else st.rate
         call = torch.lerp(base, moments, st.rate) if count else base
-        if not backward and count:
+        if count and not in_backward():
             if st.total is None:
                 st.total, moved = (moments, count), call
             else:
@@ -269,8 +267,6 @@ class EstimateRateMixin:
             base_mean, base_var = st.mean.to(mean_b.dtype), st.var.to(mean_b.dtype)
             local = _pack(mean_b, second, count)
             backward = in_backward()
-            if st.rate is None or not backward:
-                st.rate = self._rate() if st.rate is None else st.rate
             synced = local
             if self.sync_stats and world_size() > 1:
                 if backward:

@@ -2,9 +2,6 @@
 training iteration, however often they are called in it: a head shared over FPN levels, and activation
 checkpointing, whose recomputation in backward must reproduce the forward exactly and update nothing."""
 import copy
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,8 +12,8 @@ from normdense.layers import set_update_rate
 from normdense.layers.bcn import BatchChannelNorm2d
 from normdense.layers.iternorm import IterNorm
 from normdense.layers.unitization import Unitization2d
+from tests.layers.two_ranks import run_two_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 LAYERS = {
     'bcn_fused': lambda c, **kw: BatchChannelNorm2d(c, num_groups=4, mode='estimate', **kw),
@@ -205,29 +202,13 @@ def test_mmdet_resnet_with_cp_equals_plain():
         torch.testing.assert_close(cp_buffers[n], ref_buffers[n], rtol=1e-12, atol=1e-14, msg=n)
 
 
-def _two_ranks(tmp_path, module):
-    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=ROOT)
-    procs = [subprocess.Popen([sys.executable, '-m', module, str(r), str(tmp_path / 'init'), str(tmp_path)],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
-    outputs = []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=300)[0].decode(errors='replace'))
-        except subprocess.TimeoutExpired:  # a hang fails the test instead of blocking the suite
-            for q in procs:
-                q.kill()
-            pytest.fail('a rank hung: the ranks issued different collectives')
-    assert all(p.returncode == 0 for p in procs), '\n'.join(o[-3000:] for o in outputs)
-    return [torch.load(tmp_path / f'rank{r}.pth') for r in (0, 1)]
-
-
 @pytest.mark.slow  # two interpreters importing the stack: ~30-60 s on 2 shared cores
 def test_sync_stats_checkpointed_and_half_precision_two_ranks(tmp_path):
     """Two gloo processes: (1) estimate-mode BCN/Unitization with sync_stats under checkpointing issue the
     same collectives as without (none in backward), train identically and keep identical estimates;
     (2) fused=False batch-mode BCN with sync_stats in fp16/bf16 matches float32 within half-precision
     error (before: fp16 NaN statistics, bf16 a mean of 2.984 for 3.002)."""
-    ranks = _two_ranks(tmp_path, 'tests.layers.dist_checkpoint_worker')
+    ranks = run_two_ranks(tmp_path, 'tests.layers.dist_checkpoint_worker')
     for name in ranks[0]['checkpoint']:
         for rank in ranks:
             plain = rank['checkpoint'][name]['plain']

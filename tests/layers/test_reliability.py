@@ -1,9 +1,6 @@
 """Regression tests for the layer failures found by probing: collectives on empty ranks, the update rate's
 range wherever it is set, 0/0 statistics, IterNorm with one observation, negative eps, one value per
 group, bf16 estimates and batch-mode momentum."""
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,28 +14,14 @@ from normdense.layers.proxy_norm import GroupProxyNorm
 from normdense.layers.unitization import Unitization2d
 from normdense.layers.ws import WSConv2d
 from tests.layers import dist_empty_worker
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.layers.two_ranks import run_two_ranks
 
 
 # --- collectives and statistics with empty batches (two gloo processes) -------------------------------
 
 @pytest.mark.slow  # two interpreters importing the stack: ~30-60 s on 2 shared cores
 def test_empty_ranks_join_every_collective_and_keep_statistics_finite(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=ROOT)
-    procs = [subprocess.Popen([sys.executable, '-m', 'tests.layers.dist_empty_worker', str(r), str(tmp_path / 'init'),
-                               str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in (0, 1)]
-    outputs = []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=300)[0].decode(errors='replace'))
-        except subprocess.TimeoutExpired:  # a hang fails the test instead of blocking the suite
-            for q in procs:
-                q.kill()
-            pytest.fail('a rank hung: a collective was skipped')
-    assert all(p.returncode == 0 for p in procs), '\n'.join(o[-3000:] for o in outputs)
-    ranks = [torch.load(tmp_path / f'rank{r}.pth') for r in (0, 1)]
+    ranks = run_two_ranks(tmp_path, 'tests.layers.dist_empty_worker')
 
     # 1. one rank empty: both ranks apply the update of rank 1's samples (count-weighted), identically
     for name in ('unitization_estimate', 'bcn_estimate'):
