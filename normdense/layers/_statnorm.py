@@ -156,7 +156,8 @@ class _StatNormFn(torch.autograd.Function):
         ctx.layer, ctx.kernels, ctx.m, ctx.v, ctx.coeffs, ctx.res, ctx.stats = layer, kernels, m, v, coeffs, res, stats
         ctx.param_dtypes = [None if p is None else p.dtype for p in params]
         ctx.live = v > 0
-        y = kernels.forward(x3, m, _centred(coeffs, ctx.live), buf[0])
+        ctx.centred = _centred(coeffs, ctx.live)  # the passes' coefficients, forward and backward
+        y = kernels.forward(x3, m, ctx.centred, buf[0])
         return y if y.dtype == out_dtype else y.to(out_dtype)
 
     @staticmethod
@@ -170,7 +171,7 @@ class _StatNormFn(torch.autograd.Function):
             dy = dy.reshape(x3.shape)  # dy may be expanded (the grad of a sum)
             if dy.dtype != x3.dtype:
                 dy = dy.to(x3.dtype)
-            grads, state = ctx.kernels.sums(x3, m, dy, _centred(coeffs, ctx.live))
+            grads, state = ctx.kernels.sums(x3, m, dy, ctx.centred)
             batch = kind in ('batch', 'synced')
             dm, dv, dmean, dvar, dparams = ctx.layer.coeff_vjp(ctx.res, grads, batch)
             if batch:
