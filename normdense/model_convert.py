@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .layers.bcn import BatchChannelNorm2d
+from .layers.bcn import BatchChannelNorm2d, copy_norm_into_bcn
 from .layers.iternorm import IterNorm
 from .layers.proxy_norm import GroupProxyNorm
 from .layers.unitization import Unitization2d
@@ -175,21 +175,15 @@ def _transfer(new, old):
     affine = getattr(old, 'affine', False)
     if isinstance(new, BatchChannelNorm2d):
         if bn:
-            if stats:
-                _copy(new.running_mean, old.running_mean), _copy(new.running_var, old.running_var)
-            if affine:
-                _copy(new.batch_weight, old.weight), _copy(new.batch_bias, old.bias)
+            copy_norm_into_bcn(new, old)
             return 'BN statistics and affine into the batch stage; channel stage added (identity affine)'
         if affine:
-            w, b = old.weight.detach(), old.bias.detach()
-            if new.group_affine:
-                if new.num_groups != old.num_groups:
-                    return 'GN affine not carried (groups differ)'
-                w, b = w.view(new.num_groups, -1), b.view(new.num_groups, -1)
-                if any((t - t[:, :1]).abs().max() > 0 for t in (w, b)):
-                    return 'GN affine varies within groups: not carried (use group_affine=False to keep it)'
-                w, b = w[:, 0], b[:, 0]
-            _copy(new.weight, w), _copy(new.bias, b)
+            if new.group_affine and new.num_groups != old.num_groups:
+                return 'GN affine not carried (groups differ)'
+            try:
+                copy_norm_into_bcn(new, old)
+            except ValueError:
+                return 'GN affine varies within groups: not carried (use group_affine=False to keep it)'
         return 'GN affine into the channel stage; batch stage added (identity until trained)'
     if isinstance(new, Unitization2d) and bn:
         if stats:

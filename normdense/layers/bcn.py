@@ -361,30 +361,35 @@ def _to_bcn(cls, module, num_groups, bcn_kwargs):
     place = dict(device=tensors[0].device, dtype=next((t.dtype for t in tensors if t.is_floating_point()),
                                                       None)) if tensors else {}
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
-        c = module.num_features
-        bcn = cls(c, num_groups=num_groups, eps=module.eps, **bcn_kwargs).to(**place)
-        with torch.no_grad():
+        bcn = cls(module.num_features, num_groups=num_groups, eps=module.eps, **bcn_kwargs).to(**place)
+    elif type(module) is nn.GroupNorm:
+        bcn = cls(module.num_channels, num_groups=module.num_groups, eps=module.eps, **bcn_kwargs).to(**place)
+    else:
+        return None
+    copy_norm_into_bcn(bcn, module)
+    bcn.train(module.training)
+    return bcn
+
+
+def copy_norm_into_bcn(bcn: BatchChannelNorm2d, module: nn.Module) -> None:
+    """A BatchNorm's running statistics and affine into BCN's first stage (which then computes the eval-mode
+    BN), or a GroupNorm's affine into its channel stage (``ValueError`` where a per-group affine cannot hold
+    it: the GN's varies within a group)."""
+    with torch.no_grad():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
             if module.track_running_stats and module.running_mean is not None:
                 bcn.running_mean.copy_(module.running_mean)
                 bcn.running_var.copy_(module.running_var)
             if module.affine:
                 bcn.batch_weight.copy_(module.weight)
                 bcn.batch_bias.copy_(module.bias)
-    elif type(module) is nn.GroupNorm:
-        bcn = cls(module.num_channels, num_groups=module.num_groups, eps=module.eps, **bcn_kwargs).to(**place)
-        if module.affine:
-            weight, bias = module.weight.detach(), module.bias.detach()
+        elif module.affine:
+            weight, bias = module.weight, module.bias
             if bcn.group_affine:
-                per_group = weight.view(module.num_groups, -1), bias.view(module.num_groups, -1)
+                per_group = weight.view(bcn.num_groups, -1), bias.view(bcn.num_groups, -1)
                 if any((t - t[:, :1]).abs().max() > 0 for t in per_group):
                     raise ValueError('GroupNorm affine varies within a group; convert with group_affine=False '
                                      'to keep it')
                 weight, bias = per_group[0][:, 0], per_group[1][:, 0]
-            with torch.no_grad():
-                bcn.weight.copy_(weight)
-                bcn.bias.copy_(bias)
-    else:
-        return None
-    bcn.train(module.training)
-    return bcn
-
+            bcn.weight.copy_(weight)
+            bcn.bias.copy_(bias)
