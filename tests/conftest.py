@@ -1,7 +1,15 @@
 """Tests marked ``cuda`` need a GPU: without one they are reported as skipped ("needs CUDA: not run"),
-never as passed, so ``pytest -ra`` lists every one of them."""
+never as passed, so ``pytest -ra`` lists every one of them.
+
+Without a GPU, Triton's kernels run on CPU tensors in its interpreter: ``TRITON_INTERPRET=1`` is set here,
+before any test imports them (``triton.jit`` reads it when a kernel is defined); tests/kernels/."""
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault('TRITON_INTERPRET', '1')
 
 
 def pytest_collection_modifyitems(config, items):
