@@ -221,7 +221,9 @@ class EstimateRateMixin:
             moved = torch.stack([m, torch.addcmul(v, d, d)]).mean(1)  # (batch mean, second moment around it)
             return self._local_estimates(st, moved, m.shape[0] * positions)
 
-    def _open_iteration(self) -> _Iteration:
+    def _open_iteration(self, deferred: bool = False) -> _Iteration:
+        """This training iteration's state, opened on its first call. ``deferred``: the caller's kernel fills
+        ``base`` (an empty (2, C) here) and counts num_batches_tracked (the Triton backend: no launch here)."""
         st = self.__dict__.get('_iteration')
         if in_backward():  # a recomputation: the forward's iteration
             if st is None:
@@ -229,12 +231,29 @@ class EstimateRateMixin:
                                    "this iteration's forward")
             return st
         if st is None or st.token != _TOKEN[0]:
-            st = _Iteration(_TOKEN[0], torch.stack([self.running_mean.detach(), self.running_var.detach()]),
-                            self._rate())
+            rm = self.running_mean
+            if deferred:
+                base = rm.new_empty((2, ) + tuple(rm.shape))
+            else:
+                base = torch.stack([rm.detach(), self.running_var.detach()])
+            st = _Iteration(_TOKEN[0], base, self._rate())
             self.__dict__['_iteration'] = st
-            if isinstance(getattr(self, 'num_batches_tracked', None), torch.Tensor):
+            if not deferred and isinstance(getattr(self, 'num_batches_tracked', None), torch.Tensor):
                 self.num_batches_tracked.add_(1)  # iterations, not calls
         return st
+
+    def _record_call(self, st: _Iteration, moments: torch.Tensor, count: int) -> None:
+        """After a call whose kernel computed this call's moments (2, C) and, as the iteration's first call, set
+        the buffers: the iteration's running total, and the buffers of a later call (as _local_estimates)."""
+        if st.total is None:
+            st.total = (moments, count)
+            return
+        with torch.no_grad():
+            total, n = st.total
+            st.total = (torch.lerp(total.to(moments.dtype), moments, count / (n + count)), n + count)
+            moved = torch.lerp(st.base.to(moments.dtype), st.total[0], st.rate)
+            self.running_mean.copy_(moved[0])
+            self.running_var.copy_(moved[1])
 
     def _local_estimates(self, st: _Iteration, moments, count: int):
         """:meth:`_estimates_for_call` without a collective, ``moments`` = (mean, second moment) stacked (2, C),

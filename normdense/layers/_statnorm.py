@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..kernels.backend import selected_backend
 from ._estimate import in_backward, world_size
 from ._fused import AtenKernels, compute_dtype, moments
 
@@ -76,7 +77,8 @@ class StatNorm2d:
             nbt = self._buffers.get('num_batches_tracked')
             if nbt is not None:
                 nbt.add_(1)
-            weight = self.momentum if self.momentum is not None else (1.0 / nbt).to(rm.dtype)
+            # 1 / count in the buffers' dtype: (1.0 / nbt) would be float32 (an int tensor's true division)
+            weight = self.momentum if self.momentum is not None else nbt.to(rm.dtype).reciprocal()
             if isinstance(count, torch.Tensor):
                 unbiased = var * count / (count - 1).clamp(min=1)
                 weight = (count > 0).to(rm.dtype) * weight
@@ -100,6 +102,11 @@ class StatNorm2d:
 
     def _statnorm_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's output on a non-empty x (N, C, *positions)."""
+        if not self.compiled and selected_backend(self, x) == 'triton':
+            from ._statnorm_triton import triton_forward  # triton imported only when it runs
+            y = triton_forward(self, x)
+            if y is not None:  # None: a kernel failed to compile, the ATen backend takes over
+                return y
         shape = x.shape
         cd, out_dtype = self._statnorm_dtypes(x)
         with torch.autocast(x.device.type, enabled=False):
