@@ -283,6 +283,19 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
             dvar = da * bw * rs.pow(3) * -0.5
         return dm, dv, dmean, dvar, (dbw, dbb, dw, db)
 
+    def triton_coeff_map(self, m, v, mean, var, params, positions, count):
+        """:meth:`coeff_map` as one Triton launch (``normdense/kernels/bcn.py``; its residuals are the inputs,
+        for :meth:`triton_coeff_vjp` only)."""
+        from ..kernels import bcn as kernels  # triton imported only when the Triton backend runs
+        return kernels.coeff_map(m, v, mean, var, params, positions, count, num_groups=self.num_groups,
+                                 eps=self.eps, group_affine=self.group_affine)
+
+    def triton_coeff_vjp(self, res, grads, wants_stats):
+        """:meth:`coeff_vjp` as one Triton launch, for the residuals of :meth:`triton_coeff_map`."""
+        from ..kernels import bcn as kernels
+        return kernels.coeff_vjp(res, grads, wants_stats, num_groups=self.num_groups, eps=self.eps,
+                                 group_affine=self.group_affine)
+
     def _forward_recompute(self, x):
         """Training forward keeping only x (and channel-sized statistics) for backward. The parameters
         are passed into the checkpointed part too, so the recomputation uses the very tensors of the

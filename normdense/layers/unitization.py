@@ -259,6 +259,17 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
             dvar = g_rs * rs.pow(3) * (-0.5 * self._var_factor(count))
         return dm, de, dmean, dvar, (dalpha, dw, db)
 
+    def triton_coeff_map(self, m, v, mean, var, params, positions, count):
+        """:meth:`coeff_map` as one Triton launch (``normdense/kernels/unitization.py``; int or None count)."""
+        from ..kernels import unitization as kernels
+        return kernels.coeff_map(m, v, mean, var, params, positions, count, eps=self.eps, affine=self.affine,
+                                 n=self.n, norm_divisor=self.norm_divisor, var_correction=self.var_correction)
+
+    def triton_coeff_vjp(self, res, grads, wants_stats):
+        """:meth:`coeff_vjp` as one Triton launch, for the residuals of :meth:`triton_coeff_map`."""
+        from ..kernels import unitization as kernels
+        return kernels.coeff_vjp(res, grads, wants_stats, affine=self.affine)
+
     def _forward_recompute(self, x: torch.Tensor) -> torch.Tensor:
         """Training forward keeping only x (half inputs stay half) for backward. The parameters are
         passed into the checkpointed part, so the recomputation uses the forward's tensors."""

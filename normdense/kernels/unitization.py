@@ -1,0 +1,230 @@
+"""Unitization's channel-sized coefficient map and its closed-form VJP as one Triton launch each: the Triton
+transcription of ``Unitization2d.coeff_map`` / ``coeff_vjp`` (Huang et al., "An Internal Covariate Shift
+Bounding Algorithm for Deep Neural Networks by Unitizing Layers' Outputs", CVPR 2020, arXiv:2001.02814;
+Algorithm 2 lines 5-14, Eq. 16).
+
+Per (n, c), with the moments m, v of x[n, c, :], stage 1's statistics mean, var (C,) and L positions::
+
+    rs = 1 / sqrt(f var + eps)        f = the training variance factor (1, or m / (m - 1 - eps))
+    e  = v + (m - mean)^2             mean over positions of (x - mean)^2
+    p  = 1 / sqrt(k sum_c e rs^2 + eps)     per sample; k = L / divisor (Algorithm 2 lines 9-10)
+    A  = gamma (p alpha + 1 - alpha) rs,    B = A (m - mean) + beta
+
+The options (``n``, ``norm_divisor``, ``var_correction``, batch or fixed statistics) reach the kernels only
+as the scalars k and f, computed by the launchers as the torch method does. Python floats reach a kernel as
+fp32, so each scalar travels as an fp32 pair (hi, lo) with hi + lo equal to it to ~2^-48 (float64 inputs).
+
+Layout: p needs a sum over all channels of a sample, the parameter gradients sums over all samples. The map
+runs one program per block of samples (two loops over the channel blocks: p, then A, B); the VJP one program
+per block of channels, which first sums its samples' d p terms over all channels (recomputed by every
+program: no second launch, no atomics) and then owns its channels' outputs and sums over N, so the result is
+deterministic. Register tiles are [BLOCK_N, BLOCK_C] <= 1024 elements, block sizes keyed on C only.
+"""
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _blocks(channels: int):
+    """(BLOCK_N, BLOCK_C) for C channels: a fixed menu, tiles of at most 1024 elements."""
+    block_c = min(triton.next_power_of_2(channels), 128)
+    return min(16, 1024 // block_c), block_c
+
+
+def _fp32(x: float) -> float:
+    return struct.unpack('f', struct.pack('f', x))[0]
+
+
+def _split(x: float):
+    """x as fp32 hi + lo (the kernels' float arguments are fp32): hi + lo == x to ~2^-48 relative."""
+    hi = _fp32(x)
+    return hi, _fp32(x - hi)
+
+
+@triton.jit
+def _scalar(hi, lo, dt: tl.constexpr):
+    return tl.cast(hi, dt) + tl.cast(lo, dt)  # floats reach the interpreter as Python floats: no .to()
+
+
+@triton.jit
+def _coeff_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, b_ptr, a_ptr, bo_ptr, p_ptr, N, C,
+                      eps_hi, eps_lo, k_hi, k_lo, f_hi, f_lo,
+                      AFFINE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    dt = m_ptr.dtype.element_ty
+    eps = _scalar(eps_hi, eps_lo, dt)
+    k = _scalar(k_hi, k_lo, dt)
+    f = _scalar(f_hi, f_lo, dt)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    cols0 = tl.arange(0, BLOCK_C)
+    # sum_c e rs^2 per sample (Algorithm 2 lines 9-10); padded lanes give e = 0
+    s = tl.zeros([BLOCK_N], dtype=dt)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + cols0
+        cmask = cols < C
+        mask = rmask[:, None] & cmask[None, :]
+        idx = rows[:, None] * C + cols[None, :]
+        mean = tl.load(mean_ptr + cols, mask=cmask, other=0.0).to(dt)
+        var = tl.load(var_ptr + cols, mask=cmask, other=1.0).to(dt)
+        rs2 = 1.0 / (var * f + eps)
+        mc = tl.load(m_ptr + idx, mask=mask, other=0.0) - mean[None, :]
+        e = tl.load(v_ptr + idx, mask=mask, other=0.0) + mc * mc
+        s += tl.sum(tl.where(mask, e * rs2[None, :], 0.0), axis=1)
+    p = tl.rsqrt(s * k + eps)  # Eq. 16
+    tl.store(p_ptr + rows, p, mask=rmask)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + cols0
+        cmask = cols < C
+        mask = rmask[:, None] & cmask[None, :]
+        idx = rows[:, None] * C + cols[None, :]
+        mean = tl.load(mean_ptr + cols, mask=cmask, other=0.0).to(dt)
+        var = tl.load(var_ptr + cols, mask=cmask, other=1.0).to(dt)
+        alpha = tl.load(alpha_ptr + cols, mask=cmask, other=0.0).to(dt)
+        rs = tl.rsqrt(var * f + eps)
+        mc = tl.load(m_ptr + idx, mask=mask, other=0.0) - mean[None, :]
+        scale = p[:, None] * alpha[None, :] + (1.0 - alpha)[None, :]
+        if AFFINE:
+            w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(dt)
+            beta = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(dt)
+            a = scale * (w * rs)[None, :]
+            b = a * mc + beta[None, :]
+        else:
+            a = scale * rs[None, :]
+            b = a * mc
+        tl.store(a_ptr + idx, a, mask=mask)
+        tl.store(bo_ptr + idx, b, mask=mask)
+
+
+@triton.jit
+def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, p_ptr, ga_ptr, gb_ptr,
+                      dm_ptr, de_ptr, dmean_ptr, dvar_ptr, dalpha_ptr, dw_ptr, db_ptr, N, C,
+                      eps_hi, eps_lo, k_hi, k_lo, f_hi, f_lo,
+                      AFFINE: tl.constexpr, WANTS_STATS: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    dt = m_ptr.dtype.element_ty
+    eps = _scalar(eps_hi, eps_lo, dt)
+    k = _scalar(k_hi, k_lo, dt)
+    f = _scalar(f_hi, f_lo, dt)
+    rows0 = tl.arange(0, BLOCK_N)
+    cols0 = tl.arange(0, BLOCK_C)
+    # this program's channels
+    cols = tl.program_id(0) * BLOCK_C + cols0
+    cmask = cols < C
+    mean = tl.load(mean_ptr + cols, mask=cmask, other=0.0).to(dt)
+    rs = tl.rsqrt(tl.load(var_ptr + cols, mask=cmask, other=1.0).to(dt) * f + eps)
+    rs2 = rs * rs
+    alpha = tl.load(alpha_ptr + cols, mask=cmask, other=0.0).to(dt)
+    if AFFINE:
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(dt)
+    else:
+        w = tl.full([BLOCK_C], 1.0, dt)
+    dalpha = tl.zeros([BLOCK_C], dtype=dt)
+    dw = tl.zeros([BLOCK_C], dtype=dt)
+    db = tl.zeros([BLOCK_C], dtype=dt)
+    dmean = tl.zeros([BLOCK_C], dtype=dt)
+    g_scale_sum = tl.zeros([BLOCK_C], dtype=dt)  # sum_n ga_t scale
+    ds_e_sum = tl.zeros([BLOCK_C], dtype=dt)  # sum_n ds e
+    for n0 in range(0, N, BLOCK_N):
+        rows = n0 + rows0
+        rmask = rows < N
+        p = tl.load(p_ptr + rows, mask=rmask, other=1.0)
+        # t_n = sum over ALL channels of d loss / d sc0 * alpha (every program recomputes it)
+        t = tl.zeros([BLOCK_N], dtype=dt)
+        for c0 in range(0, C, BLOCK_C):
+            cj = c0 + cols0
+            cjm = cj < C
+            mask = rmask[:, None] & cjm[None, :]
+            idx = rows[:, None] * C + cj[None, :]
+            mean_j = tl.load(mean_ptr + cj, mask=cjm, other=0.0).to(dt)
+            rs_j = tl.rsqrt(tl.load(var_ptr + cj, mask=cjm, other=1.0).to(dt) * f + eps)
+            coef = tl.load(alpha_ptr + cj, mask=cjm, other=0.0).to(dt) * rs_j
+            if AFFINE:
+                coef = coef * tl.load(w_ptr + cj, mask=cjm, other=0.0).to(dt)
+            ga_t = (tl.load(ga_ptr + idx, mask=mask, other=0.0)
+                    + tl.load(gb_ptr + idx, mask=mask, other=0.0)
+                    * (tl.load(m_ptr + idx, mask=mask, other=0.0) - mean_j[None, :]))
+            t += tl.sum(tl.where(mask, ga_t * coef[None, :], 0.0), axis=1)
+        ds = t * p * p * p * (-0.5 * k)  # d loss / d (sum_c e rs^2), per sample
+        mask = rmask[:, None] & cmask[None, :]
+        idx = rows[:, None] * C + cols[None, :]
+        ga = tl.load(ga_ptr + idx, mask=mask, other=0.0)
+        gb = tl.load(gb_ptr + idx, mask=mask, other=0.0)
+        mc = tl.load(m_ptr + idx, mask=mask, other=0.0) - mean[None, :]
+        ga_t = ga + gb * mc  # B = A mc + beta
+        sc0 = p[:, None] * alpha[None, :] + (1.0 - alpha)[None, :]
+        scale = sc0 * w[None, :]
+        g_scale = ga_t * rs[None, :]
+        de = ds[:, None] * rs2[None, :]
+        dm = gb * (scale * rs[None, :]) + 2.0 * de * mc
+        tl.store(dm_ptr + idx, dm, mask=mask)
+        tl.store(de_ptr + idx, de, mask=mask)
+        dalpha += tl.sum(tl.where(mask, g_scale * w[None, :] * (p[:, None] - 1.0), 0.0), axis=0)
+        if AFFINE:
+            dw += tl.sum(tl.where(mask, g_scale * sc0, 0.0), axis=0)
+            db += tl.sum(tl.where(mask, gb, 0.0), axis=0)
+        if WANTS_STATS:
+            dmean -= tl.sum(tl.where(mask, dm, 0.0), axis=0)
+            g_scale_sum += tl.sum(tl.where(mask, ga_t * scale, 0.0), axis=0)
+            e = tl.load(v_ptr + idx, mask=mask, other=0.0) + mc * mc
+            ds_e_sum += tl.sum(tl.where(mask, ds[:, None] * e, 0.0), axis=0)
+    tl.store(dalpha_ptr + cols, dalpha, mask=cmask)
+    if AFFINE:
+        tl.store(dw_ptr + cols, dw, mask=cmask)
+        tl.store(db_ptr + cols, db, mask=cmask)
+    if WANTS_STATS:
+        tl.store(dmean_ptr + cols, dmean, mask=cmask)
+        g_rs = g_scale_sum + 2.0 * rs * ds_e_sum
+        tl.store(dvar_ptr + cols, g_rs * rs2 * rs * (-0.5 * f), mask=cmask)
+
+
+def _scalars(eps, positions, count, n, norm_divisor, var_correction):
+    """(eps, k, f) as ``Unitization2d`` computes them: k = positions / divisor, f its ``_var_factor``."""
+    if n is not None:
+        divisor = float(n)
+    else:
+        divisor = float(positions) ** (2 if norm_divisor == 'hw_squared' else 1)
+    f = count / (count - 1 - eps) if count is not None and var_correction == 'keras' else 1.0
+    return float(eps), positions / divisor, f
+
+
+def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None, norm_divisor='hw',
+              var_correction='none'):
+    """``Unitization2d.coeff_map`` in one launch: ((A, B), res) for y = A (x - m) + B, each (N, C).
+
+    ``count`` (an int) marks batch statistics (its variance factor applies), None fixed ones (estimate mode,
+    eval). ``res`` holds the inputs, p and the scalars: the VJP recomputes the rest.
+    """
+    alpha, w, b = params
+    N, C = m.shape
+    m, v, mean, var = m.contiguous(), v.contiguous(), mean.contiguous(), var.contiguous()
+    a = torch.empty_like(m)
+    b_out = torch.empty_like(m)
+    p = m.new_empty(N)
+    scalars = _scalars(eps, positions, count, n, norm_divisor, var_correction)
+    split = [h for s in scalars for h in _split(s)]
+    block_n, block_c = _blocks(C)
+    _coeff_map_kernel[(triton.cdiv(N, block_n),)](
+        m, v, mean, var, alpha, w if affine else alpha, b if affine else alpha, a, b_out, p, N, C, *split,
+        AFFINE=affine, BLOCK_N=block_n, BLOCK_C=block_c)
+    return (a, b_out), (m, v, mean, var, alpha, w if affine else None, p, split)
+
+
+def coeff_vjp(res, grads, wants_stats, *, affine):
+    """``Unitization2d.coeff_vjp`` in one launch: (dm, dv, dmean, dvar, (d alpha, d weight, d bias)),
+    dmean/dvar only when ``wants_stats``, d weight/d bias only with ``affine``; all in m's dtype."""
+    m, v, mean, var, alpha, w, p, split = res
+    ga, gb = (g.contiguous() for g in grads)
+    N, C = m.shape
+    dm, de = torch.empty_like(m), torch.empty_like(m)
+    dalpha = m.new_empty(C)
+    dw, db = (m.new_empty(C), m.new_empty(C)) if affine else (None, None)
+    dmean, dvar = (m.new_empty(C), m.new_empty(C)) if wants_stats else (None, None)
+    block_n, block_c = _blocks(C)
+    _coeff_vjp_kernel[(triton.cdiv(C, block_c),)](
+        m, v, mean, var, alpha, w if affine else alpha, p, ga, gb, dm, de,
+        dmean if wants_stats else dalpha, dvar if wants_stats else dalpha, dalpha,
+        dw if affine else dalpha, db if affine else dalpha, N, C, *split,
+        AFFINE=affine, WANTS_STATS=wants_stats, BLOCK_N=block_n, BLOCK_C=block_c)
+    return dm, de, dmean, dvar, (dalpha, dw, db)

@@ -1,0 +1,118 @@
+"""BCN's Triton coefficient map and VJP (normdense/kernels/bcn.py) against the torch methods of
+BatchChannelNorm2d (Eq. 40-42 of arXiv:1903.10520, tested against autograd in tests/layers/test_statnorm.py):
+every affine layout x statistics mode, channels per group 1 to 64, odd group counts and batch sizes, float64
+and float32 (and half parameters), several programs and n-loop iterations; one launch per call."""
+import pytest
+import torch
+
+from normdense.layers.bcn import BatchChannelNorm2d
+
+# (N, num_groups, channels per group): per-group tiles of 1 to 64 channels (padded where not a power of 2),
+# one program holding padded groups, and (G, per) = (12, 16), (32, 5), (3, 64) spanning two programs
+SHAPES = [(1, 1, 1), (2, 3, 4), (3, 5, 16), (2, 32, 1), (3, 7, 3), (1, 2, 64), (3, 12, 16), (2, 32, 5),
+          (3, 3, 64)]
+MODES = [(group_affine, wants) for group_affine in (True, False) for wants in (False, True)]
+CASES = [(shape, ga, wants) for shape in SHAPES for ga, wants in MODES]
+TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=1e-5)}
+
+
+def _inputs(shape, group_affine, dtype, device, seed, param_dtype=None):
+    n, g, per = shape
+    c = g * per
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*size, positive=False):
+        t = torch.randn(*size, generator=gen, dtype=torch.float64)
+        return (t.abs() + 0.2 if positive else t * 2 + 0.5).to(dtype).to(device)
+
+    layer = BatchChannelNorm2d(c, num_groups=g, group_affine=group_affine, eps=1e-3)
+    m, v = rnd(n, c), rnd(n, c, positive=True)
+    v[0, ::3] = 0  # constant (n, c) rows: v == 0
+    mean, var = rnd(c), rnd(c, positive=True)
+    params = [(rnd(*p.shape) * 0.7).to(param_dtype or dtype) for p in layer._statnorm_params()]
+    grads = [rnd(n, c), rnd(n, c)]
+    return layer, (m, v, mean, var, params), grads
+
+
+@pytest.fixture(autouse=True)
+def nan_filled_empty():
+    """torch.empty fills with NaN in deterministic mode (fill_uninitialized_memory): an output element the
+    kernels leave unwritten shows as NaN."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    assert torch.empty(3, dtype=torch.float64).isnan().all()
+    yield
+    torch.use_deterministic_algorithms(before[0])
+    torch.utils.deterministic.fill_uninitialized_memory = before[1]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts kernel launches: kernel[grid](...) ends in the kernel class's run (JITFunction on a GPU,
+    InterpretedFunction under TRITON_INTERPRET=1)."""
+    from normdense.kernels import bcn as kernels
+    cls = type(kernels._bcn_map_kernel)
+    assert type(kernels._bcn_vjp_kernel) is cls
+    calls = []
+    run = cls.run
+
+    def counted(self, *args, **kwargs):
+        calls.append(self)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, 'run', counted)
+    return calls
+
+
+def _check(layer, inputs, grads, wants, tol, launches):
+    m, v, mean, var, params = inputs
+    count = m.shape[0] * 7 if wants else None
+    (a_t, b_t), res_t = layer.coeff_map(m, v, mean, var, params, 7, count)
+    (a_k, b_k), res_k = layer.triton_coeff_map(m, v, mean, var, params, 7, count)
+    assert len(launches) == 1
+    for got, want in ((a_k, a_t), (b_k, b_t)):
+        assert got.dtype == m.dtype and not got.isnan().any()
+        torch.testing.assert_close(got, want, **tol)
+    expected = layer.coeff_vjp(res_t, grads, wants)
+    got = layer.triton_coeff_vjp(res_k, grads, wants)
+    assert len(launches) == 2
+    names = ('dm', 'dv', 'dmean', 'dvar', 'd batch_weight', 'd batch_bias', 'd weight', 'd bias')
+    for name, g, e in zip(names, got[:4] + tuple(got[4]), expected[:4] + tuple(expected[4])):
+        if e is None:
+            assert g is None, name
+            continue
+        assert g.dtype == m.dtype and g.shape == e.shape and not g.isnan().any(), name
+        torch.testing.assert_close(g, e.to(g.dtype), **tol, msg=lambda s: f'{name}: {s}')
+
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32], ids=['f64', 'f32'])
+@pytest.mark.parametrize('shape, group_affine, wants', CASES,
+                         ids=[f'{n}x{g}x{p}-{"group" if ga else "channel"}-{"batch" if w else "fixed"}'
+                              for (n, g, p), ga, w in CASES])
+def test_triton_coeff_map_and_vjp_equal_torch(shape, group_affine, wants, dtype, device, launches):
+    layer, inputs, grads = _inputs(shape, group_affine, dtype, device, seed=sum(shape))
+    _check(layer, inputs, grads, wants, TOL[dtype], launches)
+
+
+@pytest.mark.parametrize('param_dtype', [torch.bfloat16, torch.float16, torch.float64], ids=str)
+def test_parameters_in_another_dtype(param_dtype, device, launches):
+    """A module cast to half (or kept in float64) with float32 moments: the kernels cast on load, as the
+    torch method's p.to(m.dtype)."""
+    layer, inputs, grads = _inputs((3, 4, 4), True, torch.float32, device, seed=5, param_dtype=param_dtype)
+    _check(layer, inputs, grads, True, TOL[torch.float32], launches)
+
+
+def test_several_programs_and_loop_iterations(device, launches):
+    """C = 512 over 64 groups of 8: 4 programs of 16 groups, 5 samples each."""
+    from normdense.kernels.bcn import _blocks
+    per, block_g, block_p, grid, _ = _blocks(512, 64)
+    assert (per, block_g, block_p, grid) == (8, 16, 8, (4, ))
+    layer, inputs, grads = _inputs((5, 64, 8), False, torch.float64, device, seed=9)
+    _check(layer, inputs, grads, True, TOL[torch.float64], launches)
+
+
+def test_a_group_too_large_for_one_tile_raises():
+    from normdense.kernels.bcn import _blocks
+    with pytest.raises(ValueError, match='channels per group'):
+        _blocks(8192, 1)
