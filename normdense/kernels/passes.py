@@ -15,6 +15,8 @@ Moments per chunk: each tile's mean and centred sum of squares in registers (two
 one read of memory), merged into the chunk's with Chan et al.'s update; chunks merged likewise by the
 stats kernel. No E[x^2] - E[x]^2 anywhere.
 """
+import struct
+
 import torch
 import triton
 import triton.language as tl
@@ -29,8 +31,12 @@ _TARGET_PROGRAMS = 1024  # enough programs to fill an H100's 132 SMs several tim
 def hi_lo(value: float):
     """``value`` as two float32 kernel arguments whose sum, formed in float64, is ``value`` to ~1e-14: Triton
     passes Python floats as float32, too coarse for float64 inputs (a momentum of 0.1 off by 1.5e-9)."""
-    hi = float(torch.tensor(value, dtype=torch.float32))
-    return hi, float(torch.tensor(value - hi, dtype=torch.float32))
+    hi = _f32(value)
+    return hi, _f32(value - hi)
+
+
+def _f32(value: float) -> float:
+    return struct.unpack('f', struct.pack('f', value))[0]  # on the host: no tensor, no operator
 
 
 def acc_dtype(dtype: torch.dtype):

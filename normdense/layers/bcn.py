@@ -67,6 +67,7 @@ from ._eval_maps import standardization_affine
 from ._fused import compute_dtype
 from ._recompute import _device_autocast as device_autocast
 from ._recompute import autocast_enabled, checkpoint_once, recompute_active
+from ..kernels.backend import check_backend
 from ._statnorm import StatNorm2d, warn_recompute_deprecated
 
 BCN_MODES = ('batch', 'estimate')
@@ -111,6 +112,9 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
             runs the reference composition of torch ops.
         compiled: the fused path's passes as torch.compile'd kernels (opt-in; the first call compiles,
             see ``normdense/layers/_compiled.py``).
+        backend: the fused path's kernels: ``'aten'``, ``'triton'`` (CUDA; CPU tensors only under
+            ``TRITON_INTERPRET=1``), ``'auto'`` (Triton for CUDA tensors when it imports, else ATen) or None
+            (default: the environment variable ``NORMDENSE_BACKEND``, else auto). docs/gpu.md.
         recompute: deprecated (the fused path keeps only the input anyway). With ``fused=False``: in
             training, save only the input for backward and recompute both stages in backward.
     """
@@ -119,7 +123,8 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
 
     def __init__(self, num_features: int, num_groups: int = 32, mode: str = 'estimate', eps: float = 1e-5,
                  momentum: float = 0.1, update_rate: Optional[float] = None, sync_stats: Optional[bool] = None,
-                 group_affine: bool = True, recompute: bool = False, fused: bool = True, compiled: bool = False):
+                 group_affine: bool = True, recompute: bool = False, fused: bool = True, compiled: bool = False,
+                 backend: Optional[str] = None):
         if mode not in BCN_MODES:
             raise ValueError(f'BCN mode must be one of {BCN_MODES}, got {mode!r}')
         if num_groups <= 0 or num_features % num_groups:
@@ -137,6 +142,7 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
         self.recompute = bool(recompute)
         self.fused = bool(fused)
         self.compiled = bool(compiled)
+        self.backend = check_backend(backend, f'{type(self).__name__} backend')
         if self.recompute and self.fused:
             warn_recompute_deprecated('BatchChannelNorm2d')
         # Batch-knowledge stage (Eq. 40) and channel stage (Eq. 42) affines. The channel stage's keep
@@ -336,6 +342,7 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
         s += f', update_rate={rate}' if self.mode == 'estimate' else f', momentum={self.momentum}'
         s += f', sync_stats={self.sync_stats}, group_affine={self.group_affine}'
         s += ('' if self.fused else ', fused=False') + (', compiled=True' if self.compiled else '')
+        s += f', backend={self.backend!r}' if self.backend else ''
         return s + (', recompute=True' if self.recompute else '')
 
     def eval_affine(self) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -61,6 +61,7 @@ import torch.nn as nn
 from ._estimate import EstimateRateMixin, in_backward, watch_backward
 from ._eval_maps import standardization_affine
 from ._recompute import checkpoint_once, recompute_active
+from ..kernels.backend import check_backend
 from ._statnorm import StatNorm2d, warn_recompute_deprecated
 
 UNITIZATION_MODES = ('batch', 'estimate')
@@ -94,6 +95,9 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
             the reference composition.
         compiled: the fused path's passes as torch.compile'd kernels (opt-in; the first call compiles,
             see ``normdense/layers/_compiled.py``).
+        backend: the fused path's kernels: ``'aten'``, ``'triton'`` (CUDA; CPU tensors only under
+            ``TRITON_INTERPRET=1``), ``'auto'`` (Triton for CUDA tensors when it imports, else ATen) or None
+            (default: the environment variable ``NORMDENSE_BACKEND``, else auto). docs/gpu.md.
         recompute: deprecated (the fused path keeps only the input). With ``fused=False``: in training,
             save only the input for backward and recompute both stages in backward.
     """
@@ -102,7 +106,8 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
                  affine: bool = True, n: Optional[float] = None, mode: str = 'batch',
                  update_rate: Optional[float] = None, sync_stats: bool = True, recompute: bool = False,
-                 norm_divisor: str = 'hw', var_correction: str = 'none', fused: bool = True, compiled: bool = False):
+                 norm_divisor: str = 'hw', var_correction: str = 'none', fused: bool = True, compiled: bool = False,
+                 backend: Optional[str] = None):
         super().__init__()
         if not isinstance(num_features, int) or num_features <= 0:
             raise ValueError(f'Unitization num_features must be a positive int, got {num_features!r}')
@@ -133,6 +138,7 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
         self.recompute = bool(recompute)
         self.fused = bool(fused)
         self.compiled = bool(compiled)
+        self.backend = check_backend(backend, f'{type(self).__name__} backend')
         if self.recompute and self.fused:
             warn_recompute_deprecated('Unitization2d')
         self.alpha = nn.Parameter(torch.zeros(num_features))
@@ -322,6 +328,8 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
             s += ', fused=False'
         if self.compiled:
             s += ', compiled=True'
+        if self.backend:
+            s += f', backend={self.backend!r}'
         if self.recompute:
             s += ', recompute=True'
         if self.mode == 'estimate':

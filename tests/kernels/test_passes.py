@@ -1,0 +1,192 @@
+"""The Triton passes of the StatNorm engine (normdense/kernels/passes.py) against float64 torch: per-(n, c)
+moments, y, the coefficient gradients and dx, on odd shapes (HW in {1, 7, 13x17, 1001}), one or several
+chunks per row, every output allocated NaN-filled, in float64, float32 and half precision."""
+import contextlib
+
+import pytest
+import torch
+
+from normdense.kernels import passes as P
+
+SHAPES = [(2, 3, 1), (1, 4, 7), (3, 2, 13 * 17), (2, 2, 1001)]
+SPLITS = [None, 1, 2, 3]  # None: the default choice (up to a chunk per tile)
+TOL = {torch.float64: 1e-12, torch.float32: 2e-5}
+
+
+@pytest.fixture(autouse=True)
+def nan_outputs(monkeypatch):
+    """Every tensor the launchers allocate starts as NaN: an element a kernel forgets to write shows."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float('nan')) if t.is_floating_point() else t
+
+    def nan_empty_like(*args, **kwargs):
+        t = empty_like(*args, **kwargs)
+        return t.fill_(float('nan')) if t.is_floating_point() else t
+    monkeypatch.setattr(P.torch, 'empty', nan_empty)
+    monkeypatch.setattr(P.torch, 'empty_like', nan_empty_like)
+
+
+@contextlib.contextmanager
+def split(value):
+    old, P.FORCE_SPLIT = P.FORCE_SPLIT, value
+    try:
+        yield
+    finally:
+        P.FORCE_SPLIT = old
+
+
+def moments(x, s):
+    with split(s):
+        part, n_split, chunk = P.moment_partials(x)
+        if s is not None:
+            assert n_split == min(s, -(-x.shape[2] // P.block_for(x.dtype)))
+        return P.stats(part, n_split, chunk, x.shape)[:2]
+
+
+@pytest.mark.parametrize('s', SPLITS)
+@pytest.mark.parametrize('shape', SHAPES)
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_moments(device, dtype, shape, s):
+    torch.manual_seed(0)
+    x = (torch.randn(shape, dtype=torch.float64) * 3 + 100).to(dtype).to(device)  # mean large against spread
+    x[0, 0] = 0.1  # a constant row: v = 0 exactly, as ATen's kernels give
+    m, v = moments(x, s)
+    xd = x.double()
+    assert m.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    tol = TOL.get(dtype, 2e-5)
+    torch.testing.assert_close(m.double(), xd.mean(2), rtol=tol, atol=0)
+    torch.testing.assert_close(v.double(), xd.var(2, unbiased=False), rtol=tol * 100, atol=tol * 100)
+    assert v[0, 0] == 0 and m[0, 0] == x[0, 0, 0].to(m.dtype)
+
+
+def coefficients(n, c, dtype, device, act):
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(2, n, c, generator=g, dtype=torch.float64)
+    k, l_ = torch.rand(n, c, generator=g, dtype=torch.float64) + 0.5, torch.randn(n, c, generator=g, dtype=torch.float64)
+    coeffs = (a, b) if act is None else (a, b, k, l_)
+    return tuple(t.to(dtype).to(device) for t in coeffs)
+
+
+ACTS = [None, 'relu']
+
+
+def act_ref(name):
+    return {'relu': torch.relu}[name]
+
+
+@pytest.mark.parametrize('s', SPLITS)
+@pytest.mark.parametrize('shape', SHAPES)
+@pytest.mark.parametrize('act', ACTS)
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_apply_sums_dx(device, dtype, act, shape, s):
+    """y, the coefficient gradients and dx of the passes against the formulas of the engine's docstring."""
+    from normdense.kernels.activations import act_args
+    torch.manual_seed(2)
+    n, c, length = shape
+    x = (torch.randn(shape, dtype=torch.float64) * 2 + 1).to(dtype).to(device)
+    dy = torch.randn(shape, dtype=torch.float64).to(dtype).to(device)
+    x[-1, -1] = -0.7  # constant row: A is taken as 0 there
+    m, v = moments(x, s)
+    coeffs = coefficients(n, c, m.dtype, device, act)
+    spec = None if act is None else act_args(act, {})
+    with split(s):
+        y = P.apply(x, m, v, coeffs, spec)
+        grads = P.sums(x, dy, m, v, coeffs, spec)
+    xd, dyd = x.double(), dy.double()
+    md, live = m.double().unsqueeze(2), (v > 0).unsqueeze(2)
+    a, b = (t.double().unsqueeze(2) for t in coeffs[:2])
+    t = xd - md
+    z = torch.where(live, a, 0) * t + b
+    tol = TOL[dtype]
+    if act is None:
+        want_y, g = z, dyd
+        want = [(g * t).sum(2), g.sum(2)]
+    else:
+        k, l_ = (t_.double().unsqueeze(2) for t_ in coeffs[2:])
+        phi = act_ref(act)
+        want_y = k * phi(z) + l_
+        zr = z.detach().requires_grad_()
+        h, = torch.autograd.grad(phi(zr), zr, dyd)
+        g = k * h
+        want = [(g * t).sum(2), g.sum(2), (dyd * phi(z)).sum(2), dyd.sum(2)]
+    torch.testing.assert_close(y.double(), want_y, rtol=tol, atol=tol)
+    assert len(grads) == len(want)
+    for got, w in zip(grads, want):
+        torch.testing.assert_close(got.double(), w, rtol=tol * 10, atol=tol * 10 * length)
+    dm, dv = torch.randn(2, n, c, dtype=torch.float64).to(m.dtype).to(device)
+    with split(s):
+        dx = P.dx(x, dy, m, v, coeffs, dm, dv, grads[1], spec)
+    c0 = (dm.double() - coeffs[0].double() * grads[1].double()).unsqueeze(2) / length
+    c1 = torch.where(live, 2 * dv.double().unsqueeze(2) / length, 0)
+    want_dx = a * g + c1 * t + c0
+    torch.testing.assert_close(dx.double(), want_dx, rtol=tol * 10, atol=tol * 10)
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_half_inputs_read_and_written_in_their_dtype(device, dtype):
+    """Half x: float32 moments and coefficients, y and dx in x's dtype, within one rounding of the float32
+    result (the interpreter truncates float32 -> bf16: 2 ulp allowed)."""
+    torch.manual_seed(3)
+    x = torch.randn(2, 4, 13 * 17).to(dtype).to(device)
+    dy = torch.randn(2, 4, 13 * 17).to(dtype).to(device)
+    m, v = moments(x, 2)
+    coeffs = coefficients(2, 4, torch.float32, device, None)
+    y = P.apply(x, m, v, coeffs)
+    dm, dv = torch.randn(2, 2, 4, device=device)
+    grads = P.sums(x, dy, m, v, coeffs)
+    dx = P.dx(x, dy, m, v, coeffs, dm, dv, grads[1])
+    assert y.dtype == dx.dtype == dtype and grads[0].dtype == torch.float32
+    xf = x.float()
+    want = coeffs[0].unsqueeze(2) * (xf - m.unsqueeze(2)) + coeffs[1].unsqueeze(2)
+    ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+    assert ((y.float() - want).abs() <= 2 * ulp * want.abs().clamp(min=1e-3) + 1e-6).all()
+
+
+def test_batch_statistics_and_tracking(device):
+    """STATS_BATCH: the batch mean / biased variance per channel; the running statistics' new values
+    (momentum and cumulative) as nn.BatchNorm tracks them, written only by the apply kernel."""
+    torch.manual_seed(4)
+    x = (torch.randn(3, 5, 7 * 9, dtype=torch.float64) * 2 + 3).to(device)
+    rm, rv = torch.randn(5, dtype=torch.float64, device=device), torch.rand(5, dtype=torch.float64, device=device) + 1
+    nbt = torch.tensor(4, device=device)
+    for momentum in (0.1, None):
+        with split(2):
+            part, s, chunk = P.moment_partials(x)
+            m, v, mean, var, _, upd = P.stats(part, s, chunk, x.shape, P.STATS_BATCH, rm, rv, momentum=momentum,
+                                              write=True, nbt=nbt)
+        flat = x.transpose(0, 1).reshape(5, -1)
+        torch.testing.assert_close(mean, flat.mean(1), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(var, flat.var(1, unbiased=False), rtol=1e-12, atol=1e-12)
+        w = 0.1 if momentum else 1 / 5
+        torch.testing.assert_close(upd[0], rm + w * (flat.mean(1) - rm), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(upd[1], rv + w * (flat.var(1) - rv), rtol=1e-12, atol=1e-12)
+    before = rm.clone()
+    y = P.apply(x, m, v, coefficients(3, 5, torch.float64, device, None), write=(upd, rm, rv), nbt=nbt)
+    assert torch.isfinite(y).all() and nbt.item() == 5
+    torch.testing.assert_close(rm, upd[0]) and not torch.equal(rm, before)
+
+
+def test_estimate_statistics(device):
+    """STATS_ESTIMATE: Algorithm 1 steps 1-4 (arXiv:1903.10520) from the estimates: batch mean, second moment
+    around the estimate, both moved by r; the starting estimates copied into base when the call writes."""
+    torch.manual_seed(5)
+    x = (torch.randn(2, 6, 11, dtype=torch.float64) + 2).to(device)
+    rm, rv = torch.randn(6, dtype=torch.float64, device=device), torch.rand(6, dtype=torch.float64, device=device) + 1
+    base = torch.empty(2, 6, dtype=torch.float64, device=device)
+    part, s, chunk = P.moment_partials(x)
+    m, v, mean, var, moved, upd = P.stats(part, s, chunk, x.shape, P.STATS_ESTIMATE, rm, rv, base, rate=0.3,
+                                          write=True)
+    flat = x.transpose(0, 1).reshape(6, -1)
+    mu, second = flat.mean(1), ((flat - rm[:, None]) ** 2).mean(1)
+    torch.testing.assert_close(moved, torch.stack([mu, second]), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(mean, rm + 0.3 * (mu - rm), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(var, rv + 0.3 * (second - rv), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(upd, torch.stack([mean, var]))
+    torch.testing.assert_close(base, torch.stack([rm, rv]))
+    # a later call of the iteration reads base instead of the buffers
+    rm2 = rm + 5
+    _, _, mean2, _, _, upd2 = P.stats(part, s, chunk, x.shape, P.STATS_ESTIMATE, rm2, rv, base, rate=0.3)
+    torch.testing.assert_close(mean2, mean) and upd2 is None

@@ -1,0 +1,158 @@
+"""BCN, GN+PN and Unitization on the Triton backend against the ATen backend (the fused engine path the layer
+tests hold to the reference compositions): outputs, input and parameter gradients and buffers over several
+training steps, a shared layer, eval; at most 8 launches per training step; the backend switch; the
+fallback to ATen when a kernel fails to compile."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+from normdense.kernels import backend as B
+from normdense.kernels import passes as P
+from tests.kernels.launches import count_launches
+from tests.layers.test_fused import CASES, C, assert_same, make, run
+
+def pair(name, dtype=torch.float64, device='cpu'):
+    aten, _ = make(name, dtype)
+    tri = copy.deepcopy(aten)
+    aten.backend, tri.backend = 'aten', 'triton'
+    return tri.to(device), aten.to(device)
+
+
+@pytest.mark.parametrize('split', [None, 2])
+@pytest.mark.parametrize('name', sorted(CASES))
+def test_triton_equals_aten_over_training_steps(device, name, split, monkeypatch):
+    """float64: three training steps, the first with a layer shared by two inputs (an FPN head), then eval;
+    the Triton kernels really ran (launches counted)."""
+    monkeypatch.setattr(P, 'FORCE_SPLIT', split)
+    tri, aten = pair(name, device=device)
+    for i, shapes in enumerate([[(3, C, 5, 6), (1, C, 1, 3)], [(2, C, 13, 17)], [(1, C, 7, 1)]]):
+        torch.manual_seed(10 + i)
+        xs = [(torch.randn(s, dtype=torch.float64) * 2 + 1).to(device) for s in shapes]
+        with count_launches() as n:
+            got = run(tri, xs)
+        assert n['triton'] >= 6 * len(xs), n['names']
+        assert_same(got, run(aten, xs))
+        for layer in (tri, aten):
+            with torch.no_grad():
+                for p in layer.parameters():
+                    p.sub_(0.1 * p.grad)
+                    p.grad = None
+    tri.eval(), aten.eval()
+    x = (torch.randn(2, C, 4, 4, dtype=torch.float64) - 0.5).to(device)
+    assert_same(run(tri, [x]), run(aten, [x]))
+    with torch.no_grad():
+        torch.testing.assert_close(tri(x), aten(x), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize('name', sorted(CASES))
+def test_at_most_8_launches_per_training_step(device, name):
+    """Forward + backward of one training call: Triton launches plus any other operator (each a launch on a
+    GPU) <= 8, with rows split into chunks (the backward's merge included)."""
+    tri, _ = pair(name, torch.float32, device)
+    x = torch.randn(2, C, 40, 40, device=device, requires_grad=True)
+    dy = torch.randn(2, C, 40, 40, device=device)
+    tri(x).backward(dy)  # the first call of an estimate layer opens its iteration; caches warm
+    for t in [x, *tri.parameters()]:
+        t.grad = None
+    old, P.FORCE_SPLIT = P.FORCE_SPLIT, 2
+    try:
+        with count_launches() as n:
+            tri(x).backward(dy)
+    finally:
+        P.FORCE_SPLIT = old
+    total = n['triton'] + n['aten']
+    assert total <= 8, f"{name}: {total} launches ({n['names']} + ATen {n['ops']})"
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('name', ['bcn-estimate', 'bcn-batch', 'gnpn-relu', 'unitization-batch'])
+def test_float32_and_half(device, name, dtype):
+    """float32 parameters, x in float32 / bf16 / fp16 (as under autocast): the Triton and ATen backends agree
+    within the input dtype's rounding."""
+    tri, aten = pair(name, torch.float32, device)
+    torch.manual_seed(7)
+    x = (torch.randn(2, C, 9, 11, device=device) * 2 + 1).to(dtype)
+    a, b = run(tri, [x]), run(aten, [x])
+    tol = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]
+    assert a['outs'][0].dtype == b['outs'][0].dtype and a['xgrads'][0].dtype == dtype
+    assert_same(a, b, rtol=tol, atol=tol)
+
+
+def test_activation_checkpoint_recomputation(device):
+    """An estimate-mode layer under torch.utils.checkpoint: the recomputation repeats the forward's values and
+    moves nothing, on the Triton backend as on ATen."""
+    tri, aten = pair('bcn-estimate', device=device)
+    x = (torch.randn(2, C, 5, 5, dtype=torch.float64) + 1).to(device)
+    results = []
+    for layer in (tri, aten):
+        xi = x.clone().requires_grad_()
+        y = torch.utils.checkpoint.checkpoint(layer, xi, use_reentrant=False)
+        (y * y).sum().backward()
+        results.append((y.detach(), xi.grad, layer.running_mean.clone(), layer.running_var.clone()))
+    for u, v in zip(*results):
+        torch.testing.assert_close(u, v, rtol=1e-10, atol=1e-10)
+
+
+# --- the switch -------------------------------------------------------------------------------------------------
+def test_backend_choice(monkeypatch):
+    from normdense.layers.bcn import BatchChannelNorm2d
+    x = torch.randn(1, 8, 2, 2)
+    layer = BatchChannelNorm2d(8, 4)
+    monkeypatch.delenv(B.ENV, raising=False)
+    assert B.selected_backend(layer, x) == 'aten'  # auto: Triton for CUDA tensors only
+    monkeypatch.setenv(B.ENV, 'triton')
+    assert B.selected_backend(layer, x) == 'triton'  # under the interpreter, CPU tensors too
+    monkeypatch.setattr(B, 'interpreted', lambda: False)
+    with pytest.raises(RuntimeError, match="backend='triton' runs on CUDA tensors"):
+        B.selected_backend(layer, x)
+    layer.backend = 'aten'  # the layer's option wins over the environment
+    assert B.selected_backend(layer, x) == 'aten'
+    layer.backend = None
+    monkeypatch.setenv(B.ENV, 'cuda')
+    with pytest.raises(ValueError, match='NORMDENSE_BACKEND=.cuda.: choose one of auto|aten|triton'):
+        B.selected_backend(layer, x)
+    with pytest.raises(ValueError, match='backend must be one of'):
+        BatchChannelNorm2d(8, 4, backend='gpu')
+    monkeypatch.setenv(B.ENV, 'auto')
+    monkeypatch.setattr(B, '_STATE', {'triton': 'triton does not import (ImportError: x)', 'broken': None})
+    layer.backend = 'triton'
+    with pytest.raises(RuntimeError, match="backend='triton' needs triton: triton does not import"):
+        B.selected_backend(layer, x)
+
+
+@pytest.mark.parametrize('where', ['forward', 'backward'])
+@pytest.mark.parametrize('name', ['bcn-estimate', 'unitization-batch'])
+def test_compile_failure_falls_back_to_aten_with_one_warning(device, name, where, monkeypatch):
+    """Under 'auto' (simulated for these tensors): a kernel that does not compile -> one RuntimeWarning, the
+    ATen backend for the call and the rest of the process; the state moves exactly once; a forced 'triton'
+    raises instead."""
+    from triton.compiler.errors import CompilationError
+    import normdense.layers._statnorm as engine
+    tri, aten = pair(name, device=device)
+    tri.backend = None
+    monkeypatch.setattr(B, '_STATE', {'triton': '', 'broken': None})
+    monkeypatch.setattr(engine, 'selected_backend', lambda layer, x: 'aten' if B._STATE['broken'] else 'triton')
+    failing = {'forward': P._apply_kernel, 'backward': P._sums_kernel}[where]
+    kernel_cls = type(failing)
+    original = kernel_cls.run
+
+    def run_or_fail(self, *args, **kwargs):
+        if self is failing:
+            raise CompilationError('normdense_test', None, 'simulated failure')
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(kernel_cls, 'run', run_or_fail)
+    x = (torch.randn(2, C, 5, 6, dtype=torch.float64) + 1).to(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        got = run(tri, [x])
+        again = run(tri, [x])  # the process stays on ATen: no second warning
+    ours = [w for w in caught if 'failed to compile' in str(w.message)]
+    assert len(ours) == 1 and issubclass(ours[0].category, RuntimeWarning)
+    assert_same(got, run(aten, [x]))
+    assert_same(again, run(aten, [x]))
+    tri.backend = 'triton'
+    monkeypatch.setattr(engine, 'selected_backend', lambda layer, x: 'triton')
+    with pytest.raises(CompilationError):
+        run(tri, [x])
