@@ -8,10 +8,11 @@ relu 0 at z = 0 (``threshold_backward`` on out > 0), relu6 0 at z = 0 and 6 (``h
 leaky_relu the slope at 0, elu/celu/selu the negative branch at 0 (``elu_backward`` on z <= 0), softplus 1 only
 above the threshold, hardswish z / 3 + 1/2 on (-3, 3) (0 at -3, 1 at 3, as ATen's hardswish_backward).
 
-Constants multiply tensors from the right (``tile * CONST``): a constexpr on the left is not
-turned into a tensor op by the interpreter. Pass ACT, p0 and p1 as ``tl.constexpr`` kernel arguments: a Python float constexpr enters the arithmetic in
-the tile's dtype exactly, whereas a runtime float argument is float32 on the GPU (in the interpreter it stays
-a Python float), which would round e.g. negative_slope = 0.01 in a float64 computation.
+Pass ACT, p0 and p1 as ``tl.constexpr`` kernel arguments: a constexpr Python float enters the arithmetic
+exactly, in the tile's dtype, whereas a runtime float argument is float32 on the GPU (while in the interpreter
+it stays a Python float, so CPU tests cannot see it) and would round e.g. negative_slope = 0.01 in a float64
+computation. Constants multiply tiles from the right (``tile * CONST``): the interpreter does not turn a
+constexpr on the left into a tensor op.
 
 No libdevice (the interpreter cannot run it): tanh and expm1/log1p from tl.exp/tl.log in forms accurate to a
 few ulps, erf from tl.erf. Nothing here imports ``normdense.layers``; the names are a literal (a test checks

@@ -127,3 +127,13 @@ def test_one_launch_each(monkeypatch, device):
     assert launches == [kernels[0]]
     layer.triton_coeff_vjp(res, [torch.randn_like(m) for _ in range(4)], False)
     assert launches == [kernels[0], kernels[1]]
+
+
+def test_kernels_import_nothing_above_them():
+    import ast
+    from normdense.kernels import activations
+    for module in (K, activations):
+        tree = ast.parse(open(module.__file__).read())
+        names = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+        names |= {'.' * node.level + (node.module or '') for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert names <= {'torch', 'triton', 'triton.language', '.activations'}, names
