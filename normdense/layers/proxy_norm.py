@@ -292,6 +292,22 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
             dpb, dpg = dyq.sum(1), (dyq * q).sum(1)
         return dm, dv, None, None, (dw, db, dpb, dpg)
 
+    def _triton_config(self) -> dict:
+        return dict(num_groups=self.num_groups, eps=self.eps, act=self.act, act_kwargs=self.act_kwargs,
+                    proxy_eps=self.proxy_eps, proxy_scaling=self.proxy_scaling, proxy_affine=self.proxy_affine)
+
+    def triton_coeff_map(self, m, v, mean, var, params, positions, count):
+        """:meth:`coeff_map` as one Triton launch (``normdense/kernels/proxy_norm.py``; CUDA tensors, or CPU ones
+        under Triton's interpreter), on the same cached proxy quantiles."""
+        from ..kernels import proxy_norm as kernels  # triton imported only when this backend is used
+        q = _cached_quantiles(self.num_samples, m.dtype, m.device)
+        return kernels.coeff_map(m, v, mean, var, params, positions, count, quantiles=q, **self._triton_config())
+
+    def triton_coeff_vjp(self, res, grads, wants_stats):
+        """:meth:`coeff_vjp` as one Triton launch, for the residuals of :meth:`triton_coeff_map`."""
+        from ..kernels import proxy_norm as kernels
+        return kernels.coeff_vjp(res, grads, wants_stats, **self._triton_config())
+
     def _eq7(self, x: torch.Tensor, dtype: torch.dtype, weight, bias, proxy_beta, proxy_gamma) -> torch.Tensor:
         """Eq. 7 with the given parameters, computed in ``dtype`` with autocast disabled."""
         with torch.autocast(device_type=x.device.type, enabled=False):

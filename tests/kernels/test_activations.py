@@ -1,0 +1,68 @@
+"""normdense.kernels.activations against torch: phi through the activation's torch function, phi' through the
+ATen backward op autograd uses (``_activations._BACKWARD`` with g = 1), elementwise on values that include the
+kinks and large |z|, float64 to ~1e-12 and float32 to ~1e-6."""
+import pytest
+import torch
+
+triton = pytest.importorskip('triton')
+import triton.language as tl  # noqa: E402
+
+from normdense.kernels import activations as K  # noqa: E402
+from normdense.layers._activations import _BACKWARD, PROXY_NORM_ACTIVATIONS  # noqa: E402
+
+
+@triton.jit
+def _apply(x_ptr, f_ptr, d_ptr, n, ACT: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    z = tl.load(x_ptr + i, mask=i < n, other=0.0)
+    tl.store(f_ptr + i, K.act_forward(z, ACT, P0, P1), mask=i < n)
+    tl.store(d_ptr + i, K.act_grad(z, ACT, P0, P1), mask=i < n)
+
+
+CASES = [
+    ('relu', {}), ('relu6', {}), ('leaky_relu', {'negative_slope': 0.01}), ('leaky_relu', {'negative_slope': 0.2}),
+    ('elu', {'alpha': 1.0}), ('elu', {'alpha': 0.3}), ('celu', {'alpha': 1.0}), ('celu', {'alpha': 2.5}),
+    ('selu', {}), ('gelu', {'approximate': 'none'}), ('gelu', {'approximate': 'tanh'}), ('silu', {}), ('mish', {}),
+    ('softplus', {'beta': 1.0, 'threshold': 20.0}), ('softplus', {'beta': 2.0, 'threshold': 5.0}),
+    ('softplus', {'beta': 0.5, 'threshold': 3.0}), ('hardswish', {}), ('sigmoid', {}), ('tanh', {}),
+]
+
+
+def test_the_names_are_those_of_the_layer():
+    assert set(K.ACTIVATION_IDS) == set(PROXY_NORM_ACTIVATIONS)
+    assert {name for name, _ in CASES} == set(PROXY_NORM_ACTIVATIONS)
+    ids = list(K.ACTIVATION_IDS.values()) + [K.GELU_TANH]
+    assert len(set(ids)) == len(ids)
+
+
+def _values(kwargs, dtype, device):
+    big = 700.0 if dtype == torch.float64 else 80.0
+    kinks = [0.0, -0.0, 6.0, -3.0, 3.0, 1e-8, -1e-8, 1e-3, -1e-3, 0.5, -0.5, 5.999, 6.001, -3.001, 2.999,
+             40.0, -40.0, big, -big, 1e-300 if dtype == torch.float64 else 1e-30]
+    if 'threshold' in kwargs:
+        t = kwargs['threshold'] / kwargs['beta']
+        kinks += [t, t * (1 + 1e-6), t * (1 - 1e-6)]
+    z = torch.cat([torch.linspace(-12, 12, 193, dtype=torch.float64), torch.tensor(kinks, dtype=torch.float64)])
+    return z.to(dtype).to(device)
+
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+@pytest.mark.parametrize('name,kwargs', CASES)
+def test_forward_and_derivative_equal_torch(name, kwargs, dtype, device):
+    z = _values(kwargs, dtype, device)
+    f, d = torch.full_like(z, float('nan')), torch.full_like(z, float('nan'))
+    act, p0, p1 = K.act_args(name, kwargs)
+    _apply[(triton.cdiv(z.numel(), 64), )](z, f, d, z.numel(), act, p0, p1, 64)
+    # the reference in float64 on the same values: torch's own float32 results carry cancellation errors
+    # (gelu-tanh's 1 + tanh near -1) of the order of the float32 tolerance
+    z64 = z.double()
+    ref = PROXY_NORM_ACTIVATIONS[name][0](z64, **kwargs)
+    dref = _BACKWARD[name](torch.ones_like(z64), z64, ref, kwargs)
+    tol = dict(rtol=1e-12, atol=1e-13) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(f.double(), ref, **tol)
+    torch.testing.assert_close(d.double(), dref, **tol)
+
+
+def test_act_args_rejects_unknown_names():
+    with pytest.raises(ValueError):
+        K.act_args('swish2', {})
