@@ -36,12 +36,13 @@ No mmcv/mmengine imports here: registration happens in ``normdense/registry.py``
 """
 import functools
 import math
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..kernels.backend import check_backend
 from ._activations import PROXY_NORM_ACTIVATIONS, activation
 from ._activations import resolve_activation as _resolve_activation
 from ._checks import check_group_values
@@ -108,6 +109,9 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
             the reference composition.
         compiled: the fused path's passes as torch.compile'd kernels (opt-in; the first call compiles,
             see ``normdense/layers/_compiled.py``).
+        backend: the fused path's kernels: ``'aten'``, ``'triton'`` (CUDA; CPU tensors only under
+            ``TRITON_INTERPRET=1``), ``'auto'`` (Triton for CUDA tensors when it imports, else ATen) or None
+            (default: the environment variable ``NORMDENSE_BACKEND``, else auto). docs/gpu.md.
         recompute: deprecated (the fused path keeps only the input). With ``fused=False``: in
             training, save only the input for backward (one nn.GroupNorm's activation
             memory instead of three; the proxy statistics' (C, n) tensors are not kept either) and
@@ -133,7 +137,7 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
                  proxy_affine: bool = True,
                  recompute: bool = False,
                  fused: bool = True,
-                 compiled: bool = False):
+                 compiled: bool = False, backend: Optional[str] = None):
         if (isinstance(num_channels, bool) or not isinstance(num_channels, int)
                 or num_channels <= 0):
             raise ValueError(f'GNPN: num_channels must be a positive int, got {num_channels!r}')
@@ -160,6 +164,7 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
         self.recompute = bool(recompute)
         self.fused = bool(fused)
         self.compiled = bool(compiled)
+        self.backend = check_backend(backend, f'{type(self).__name__} backend')
         if self.recompute and self.fused:
             warn_recompute_deprecated('GroupProxyNorm')
         if self.proxy_affine:
@@ -329,4 +334,5 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
                 f'proxy_eps={self.proxy_eps}, num_samples={self.num_samples}, '
                 f'proxy_scaling={self.proxy_scaling}, proxy_affine={self.proxy_affine}'
                 + ('' if self.fused else ', fused=False') + (', compiled=True' if self.compiled else '')
+                + (f', backend={self.backend!r}' if self.backend else '')
                 + (', recompute=True' if self.recompute else ''))
