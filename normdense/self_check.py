@@ -1,5 +1,6 @@
 """Import the whole stack normdense runs on, print its versions, and run one of mmcv's ops (the last step
-of `make install`; also `python -m normdense.self_check` in any environment).
+of `make install`; also `python -m normdense.self_check` in any environment). Where torch sees a GPU and
+triton imports, one training step of each Triton-backed layer runs against the ATen backend.
 
 Exit status 1, with one line naming the fix, when mmcv's ops do not import or run under the installed torch
 (a wheel built for another torch, e.g. from pip's cache: ``nms`` is run on a tiny CPU tensor, and on CUDA
@@ -58,6 +59,39 @@ def ops_run_problem(devices) -> Optional[str]:
     return None
 
 
+def triton_step_problem(device: str) -> Optional[str]:
+    """One line on why normdense's Triton kernels do not give the ATen backend's result for one training step
+    (forward, backward, buffers) of BCN (estimate and batch mode), GN+PN and Unitization on ``device``
+    ('cuda'; 'cpu' only under TRITON_INTERPRET=1), or None when they do (float32, rtol 1e-4)."""
+    import copy
+    import torch
+    from normdense.layers import BatchChannelNorm2d, GroupProxyNorm, Unitization2d
+    layers = {'BCN estimate': BatchChannelNorm2d(64, 8, update_rate=0.1),
+              'BCN batch': BatchChannelNorm2d(64, 8, mode='batch'),
+              'GN+PN': GroupProxyNorm(64, 8), 'Unitization': Unitization2d(64)}
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(2, 64, 37, 45, generator=gen) * 2 + 1).to(device)
+    dy = torch.randn(2, 64, 37, 45, generator=gen).to(device)
+    for name, layer in layers.items():
+        results = []
+        for backend in ('aten', 'triton'):
+            mod = copy.deepcopy(layer).to(device).train()
+            mod.backend = backend
+            xi = x.clone().requires_grad_()
+            try:
+                y = mod(xi)
+                y.backward(dy)
+            except Exception as e:  # noqa: BLE001  (a compile or launch failure, whatever it raises)
+                first = (str(e).splitlines() or [type(e).__name__])[0]
+                return f'{name} with backend={backend!r} fails on {device} ({type(e).__name__}: {first})'
+            results.append([y, xi.grad] + [p.grad for p in mod.parameters()] + list(mod.buffers()))
+        for a, b in zip(*results):
+            if a.is_floating_point() and not torch.allclose(a, b, rtol=1e-4, atol=1e-4):
+                return (f'{name}: the Triton kernels differ from the ATen backend on {device} by '
+                        f'{(a - b).abs().max().item():.3g}')
+    return None
+
+
 def ops_device(gpu_available: bool, mmcv_cuda: Optional[str]) -> str:
     if mmcv_cuda is None:
         return 'none (mmcv-lite or built without ops)'
@@ -104,7 +138,8 @@ def main(argv=None) -> int:
             ('mmengine', mmengine.__version__),
             # optional codebases (extras det / seg / pretrain)
             ('mmdet', _version('mmdet')), ('mmseg', _version('mmseg')), ('mmpretrain', _version('mmpretrain')),
-            ('pycocotools', _version('pycocotools')), ('normdense', normdense.__version__)]
+            ('pycocotools', _version('pycocotools')), ('triton', _version('triton')),
+            ('normdense', normdense.__version__)]
     print('normdense self-check: the core stack imports')
     for name, version in rows:
         print(f'  {name:<16} {version}')
@@ -116,7 +151,14 @@ def main(argv=None) -> int:
     elif mmcv_cuda is not None:
         problem = (cuda_ops_problem(gpu, torch.version.cuda, mmcv_cuda)
                    or ops_run_problem(['cpu'] + (['cuda'] if gpu and mmcv_cuda != NO_CUDA else [])))
-    missing = [name for name, version in rows if version == 'not installed' or version.startswith('installed, import')]
+    if not problem and gpu and dict(rows)['triton'] != 'not installed':
+        # the backend 'auto' picks for CUDA tensors: one step against ATen (without triton, auto is ATen)
+        triton_problem = triton_step_problem('cuda')
+        print(f"  {'Triton kernels':<16} {'match the ATen backend' if not triton_problem else 'FAIL'}")
+        if triton_problem:
+            problem = f'{triton_problem}: set NORMDENSE_BACKEND=aten and report it (docs/gpu.md)'
+    missing = [name for name, version in rows if name != 'triton'  # optional: auto falls back to ATen
+               and (version == 'not installed' or version.startswith('installed, import'))]
     if args.all and missing and not problem:
         problem = (f'not installed or failing to import: {", ".join(missing)} (make install installs them; '
                    'FORCE=1 make install)')

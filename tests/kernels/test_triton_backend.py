@@ -156,3 +156,14 @@ def test_compile_failure_falls_back_to_aten_with_one_warning(device, name, where
     monkeypatch.setattr(engine, 'selected_backend', lambda layer, x: 'triton')
     with pytest.raises(CompilationError):
         run(tri, [x])
+
+
+def test_self_check_triton_step(device, monkeypatch):
+    """``python -m normdense.self_check``'s GPU step (here on the interpreter's CPU tensors): None when the
+    kernels match the ATen backend, one line naming the layer when they do not."""
+    from normdense.self_check import triton_step_problem
+    assert triton_step_problem(device) is None
+    original = P.apply
+    monkeypatch.setattr(P, 'apply', lambda *a, **k: original(*a, **k) * 1.01)
+    problem = triton_step_problem(device)
+    assert problem.startswith('BCN estimate: the Triton kernels differ from the ATen backend on ') and '\n' not in problem
