@@ -31,10 +31,9 @@ import re
 import sys
 import time
 
-if __name__ == '__main__':  # a torch-only GPU machine has no mmengine: the layers need none (normdense/compat.py)
-    try:
-        import mmengine  # noqa: F401
-    except ImportError:
+if __name__ == '__main__':  # a torch-only GPU machine: the layers need no mmcv/mmengine (normdense/compat.py)
+    import importlib.util
+    if not all(importlib.util.find_spec(m) for m in ('mmengine', 'mmcv')):
         os.environ.setdefault('NORMDENSE_LAYERS_ONLY', '1')
 
 import torch
