@@ -1,17 +1,27 @@
-"""GPU benchmark: every normdense layer against nn.GroupNorm and nn.BatchNorm2d at FPN shapes, fp32 and
-fp16 autocast, forward and forward+backward in training mode; IterNorm (64 channels/group, T=5) against
-eigh-based ZCA whitening of the same groups; peak memory per layer.
+"""GPU benchmark of the StatNorm engine's backends: nn.GroupNorm(32) and each Triton-backed layer (BCN estimate
+and batch, GN+PN relu, Unitization batch and estimate) with ``backend='aten'`` and ``backend='triton'``,
+training-mode forward and forward+backward at the FPN levels P2-P7 of two 800x1216 images (2x256x200x304 ..
+2x256x7x10) in bf16, fp16 and fp32; IterNorm (64 channels/group, T=5) against eigh-based ZCA at P3 in fp32.
 
-    python benchmarks/gpu.py                       # on a CUDA machine: writes benchmarks/results/gpu_<device>.json
-    python benchmarks/gpu.py --device cpu --quick  # no GPU: the whole code path on tiny shapes (no measurement)
+    python benchmarks/gpu.py                        # CUDA: benchmarks/results/gpu_<device>.json and .md
+    python benchmarks/gpu.py --out R/benchmark.json --md R/benchmark.md    # what scripts/gpu_check.sh runs
+    python benchmarks/gpu.py --device cpu --quick   # no GPU: the code path on a tiny shape (no measurement)
 
-Timing: each call synchronized before and after (host clock), so kernel-launch overhead is counted as it
-is in a training step; warm-up first, candidates of one setting interleaved round by round, medians
-(benchmarks/_timing.py ``device_times``). ``ops``: non-view ATen operators per forward + backward (each at
-least one kernel launch on a GPU). Peak memory: ``torch.cuda.max_memory_allocated`` during one
-forward+backward minus what was allocated before it (input, parameters and the incoming gradient
-excluded). Targets (docs/gpu.md): IterNorm >= 5x faster than ZCA; BCN, GN+PN and Unitization fwd+bwd
-<= 1.3x nn.GroupNorm.
+Timing: each call synchronized before and after (host clock, benchmarks/_timing.py ``device_times``), so the
+launch overhead counts as it does in a training step; warm-up rounds first (Triton compiles there), the rows
+of one (level, dtype) interleaved round by round, medians. Inputs are in the dtype (half inputs with float32
+parameters, as a layer sees them under autocast); nn.GroupNorm is converted to the dtype (its CUDA kernel wants
+the input's dtype for its parameters), the strictest baseline.
+
+Bytes: the floor of a normalization layer is 3 passes over an activation-sized tensor forward (read x for the
+statistics, read x and write y) and 5 backward (read x and dy for the sums, read them again and write dx):
+``floor_bytes = 8 * numel * itemsize``. ``gbps`` = floor bytes / fwd+bwd time; ``floor_fraction`` = the time
+the floor takes at the measured device-to-device copy bandwidth (read + write counted) / the fwd+bwd time.
+Launches per fwd+bwd: kernels the GPU ran (torch.profiler; ATen ops + Triton launches on the CPU).
+
+Targets (PASS/FAIL, in the JSON): at P2 and P3 in bf16, every Triton-backed layer with ``backend='triton'``:
+fwd+bwd <= 1.2x nn.GroupNorm and >= 70 % of the byte floor; IterNorm >= 5x faster than ZCA. A row the build
+cannot make (no ``backend`` option yet, no triton) is listed under ``unavailable`` and its targets FAIL.
 """
 import argparse
 import json
@@ -19,120 +29,217 @@ import os
 import os.path as osp
 import re
 import sys
+import time
+
+if __name__ == '__main__':  # a torch-only GPU machine: the layers need no mmcv/mmengine (normdense/compat.py)
+    import importlib.util
+    if not all(importlib.util.find_spec(m) for m in ('mmengine', 'mmcv')):
+        os.environ.setdefault('NORMDENSE_LAYERS_ONLY', '1')
 
 import torch
 import torch.nn as nn
 
 sys.path.insert(0, osp.join(osp.dirname(osp.abspath(__file__)), '..'))
-from benchmarks._timing import conditions, count_ops, device_times, median_iqr  # noqa: E402
-from benchmarks.layers import RECOMPUTE, norm_candidates  # noqa: E402
+from benchmarks._launches import launch_counts  # noqa: E402
+from benchmarks._timing import conditions, device_times, median_iqr  # noqa: E402
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-# (N, C, H, W): FPN levels of detection inputs (P3 of a 512 px crop, P2 of 400x672, P2 of 800x1344)
-SHAPES = [(2, 256, 64, 64), (1, 256, 100, 168), (2, 256, 200, 336)]
-QUICK_SHAPES = [(1, 64, 8, 8)]
+LEVELS = {'P2': (2, 256, 200, 304), 'P3': (2, 256, 100, 152), 'P4': (2, 256, 50, 76), 'P5': (2, 256, 25, 38),
+          'P6': (2, 256, 13, 19), 'P7': (2, 256, 7, 10)}
+QUICK_LEVELS = {'tiny': (1, 64, 8, 8)}
+DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': torch.float32}
+QUICK_DTYPES = ('bf16', )
+BACKENDS = ('aten', 'triton')
 GN = 'nn.GroupNorm(32)'
-TARGET_LAYERS = ('BCN estimate', 'BCN batch', 'GNPN (GN+PN)', 'Unitization batch', 'Unitization estimate')
+TARGET_LEVELS, TARGET_DTYPE = ('P2', 'P3'), 'bf16'
+MAX_VS_GN, MIN_FLOOR_FRACTION, MIN_ZCA_OVER_ITERNORM = 1.2, 0.7, 5.0
+FWD_PASSES, BWD_PASSES = 3, 5
 
 
-def candidates(c):
-    """The norm layers of benchmarks/layers.py (recompute rows and the channel affine left out) and the
-    two conv layers, each against its plain counterpart."""
-    from normdense.layers.equinorm import EquiConv2d
-    from normdense.layers.ws import WSConv2d
-    cands = {n: f for n, f in norm_candidates(c).items() if not n.endswith(RECOMPUTE) and n != 'ChannelAffine'}
-    cands.update({'nn.Conv2d 3x3': lambda: nn.Conv2d(c, c, 3, padding=1),
-                  'WSConv2d 3x3': lambda: WSConv2d(c, c, 3, padding=1),
-                  'EquiConv2d 3x3': lambda: EquiConv2d(c, c, 3, padding=1)})
-    return cands
+def layer_factories(c):
+    """The Triton-backed layers, each a function of its ``backend`` keyword."""
+    from normdense.layers.bcn import BatchChannelNorm2d
+    from normdense.layers.proxy_norm import GroupProxyNorm
+    from normdense.layers.unitization import Unitization2d
+    return {'BCN estimate': lambda **kw: BatchChannelNorm2d(c, 32, mode='estimate', update_rate=0.01, **kw),
+            'BCN batch': lambda **kw: BatchChannelNorm2d(c, 32, mode='batch', **kw),
+            'GN+PN relu': lambda **kw: GroupProxyNorm(c, 32, act='relu', **kw),
+            'Unitization batch': lambda **kw: Unitization2d(c, **kw),
+            'Unitization estimate': lambda **kw: Unitization2d(c, mode='estimate', update_rate=0.01, **kw)}
 
 
-def make_call(module, x, grad, backward, autocast):
+def triton_problem(device):
+    """Why ``backend='triton'`` cannot run here, or None."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return 'triton is not installed'
+    if device == 'cpu' and os.environ.get('TRITON_INTERPRET') != '1':
+        return 'Triton runs CPU tensors only under TRITON_INTERPRET=1'
+    return None
+
+
+def build(factory, backend, x, device):
+    """(module, None) or (None, why not)."""
+    if backend == 'triton' and triton_problem(device):
+        return None, triton_problem(device)
+    try:
+        module = factory(backend=backend)
+    except TypeError as e:
+        if 'backend' not in str(e):
+            raise
+        return None, 'the layer has no backend option in this build'
+    module = module.to(device).train()
+    try:
+        from normdense.kernels.backend import selected_backend
+    except ImportError:
+        return module, None
+    chosen = selected_backend(module, x)
+    if chosen != backend:  # a row must measure what it is named after
+        return None, f'selected_backend() gives {chosen!r} for backend={backend!r}'
+    return module, None
+
+
+def make_call(module, x, grad, backward):
     def call():
         x.grad = None
         for p in module.parameters():
             p.grad = None
-        with autocast:
-            out = module(x)
+        out = module(x)
         if backward:
-            out.backward(grad.to(out.dtype))
+            out.backward(grad)
     return call
 
 
-def peak_bytes(call, device):
-    if device == 'cpu':
-        return None
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    call()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before
+def copy_bandwidth(device, nbytes):
+    """Device-to-device copy bandwidth in bytes/s, read + write counted (median of 10 timed copies)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(13):
+        if device == 'cuda':
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device == 'cuda':
+            torch.cuda.synchronize()
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / median_iqr(times)[0]
 
 
-def bench_setting(shape, device, precision, repeats, warmup):
-    n, c, h, w = shape
+def bench_setting(shape, dtype, device, repeats, warmup, copy_bw):
     torch.manual_seed(0)
-    x = torch.randn(shape, device=device).relu_().requires_grad_(True)  # EquiNorm assumes post-ReLU inputs
-    grad = torch.randn(shape, device=device)
-    dtype = torch.float16 if device == 'cuda' else torch.bfloat16  # CPU autocast has no fp16 convs
-    autocast = torch.autocast(device, dtype=dtype, enabled=precision == 'amp')
-    modules = {name: f().to(device).train() for name, f in candidates(c).items()}
+    x = torch.randn(shape, device=device, dtype=dtype).requires_grad_(True)
+    grad = torch.randn(shape, device=device, dtype=dtype)
+    modules, unavailable = {GN: nn.GroupNorm(32, shape[1]).to(device=device, dtype=dtype).train()}, {}
+    for name, factory in layer_factories(shape[1]).items():
+        for backend in BACKENDS:
+            module, why = build(factory, backend, x, device)
+            if module is None:
+                unavailable[f'{name} [{backend}]'] = why
+            else:
+                modules[f'{name} [{backend}]'] = module
     rows = {name: {} for name in modules}
+    floor = (FWD_PASSES + BWD_PASSES) * x.numel() * x.element_size()
     for mode, backward in (('fwd', False), ('fwd+bwd', True)):
-        calls = {name: make_call(m, x, grad, backward, autocast) for name, m in modules.items()}
+        calls = {name: make_call(m, x, grad, backward) for name, m in modules.items()}
         times = device_times(calls, repeats, warmup, device)
         for name in modules:
             med, iqr = median_iqr(times[name])
-            rows[name][f'{mode}_ms'] = med * 1e3
-            rows[name][f'{mode}_iqr_ms'] = iqr * 1e3
+            rows[name][f'{mode}_ms'], rows[name][f'{mode}_iqr_ms'] = med * 1e3, iqr * 1e3
             if backward:
-                rows[name]['peak_bytes'] = peak_bytes(calls[name], device)
-                rows[name]['ops'] = count_ops(calls[name])
-    for name, row in rows.items():
-        for mode in ('fwd', 'fwd+bwd'):
-            row[f'{mode}_vs_gn'] = row[f'{mode}_ms'] / rows[GN][f'{mode}_ms']
-    return rows
+                rows[name].update(launch_counts(calls[name]))
+    for row in rows.values():
+        s = row['fwd+bwd_ms'] * 1e-3
+        row.update(vs_gn=row['fwd+bwd_ms'] / rows[GN]['fwd+bwd_ms'], floor_bytes=floor, gbps=floor / s / 1e9,
+                   floor_fraction=floor / copy_bw / s)
+    return rows, unavailable
 
 
 def bench_whitening(shape, device, repeats, warmup, group=64):
-    """Only what differs between IterNorm and ZCA: the whitening matrix of the same centred groups
-    (Newton T=5 vs torch.linalg.eigh), forward + backward, fp32."""
-    from normdense.layers.iternorm import newton_whitening_matrix, zca_whitening_matrix
+    """IterNorm (Newton T=5) against ZCA (eigh), fp32 fwd+bwd: the layers, and the whitening matrix alone."""
+    from normdense.layers.iternorm import IterNorm, newton_whitening_matrix, zca_whitening_matrix
     n, c, h, w = shape
     torch.manual_seed(0)
+    x = torch.randn(shape, device=device).requires_grad_(True)
+    grad = torch.randn(shape, device=device)
+    layers = {'IterNorm g64 T5': IterNorm(c, group_size=group, T=5), 'ZCA g64 (eigh)': IterNorm(c, group, method='zca')}
+    calls = {k: make_call(m.to(device).train(), x, grad, True) for k, m in layers.items()}
     xc = torch.randn(c // group, group, n * h * w, device=device)
     xc = (xc - xc.mean(2, keepdim=True)).requires_grad_(True)
     g = torch.randn(c // group, group, group, device=device)
 
-    def call(fn):
+    def matrix(fn):
         def step():
             xc.grad = None
             fn(xc).backward(g)
         return step
-    times = device_times({'newton T5': call(lambda t: newton_whitening_matrix(t, 1e-5, 5)),
-                          'zca eigh': call(lambda t: zca_whitening_matrix(t, 1e-5))}, repeats, warmup, device)
+    calls.update({'newton T5 matrix': matrix(lambda t: newton_whitening_matrix(t, 1e-5, 5)),
+                  'zca eigh matrix': matrix(lambda t: zca_whitening_matrix(t, 1e-5))})
+    times = device_times(calls, repeats, warmup, device)
     out = {k: dict(zip(('ms', 'iqr_ms'), (v * 1e3 for v in median_iqr(t)))) for k, t in times.items()}
-    out['zca_over_newton'] = out['zca eigh']['ms'] / out['newton T5']['ms']
+    out['zca_over_iternorm'] = out['ZCA g64 (eigh)']['ms'] / out['IterNorm g64 T5']['ms']
+    out['zca_over_newton'] = out['zca eigh matrix']['ms'] / out['newton T5 matrix']['ms']
     return out
 
 
-def check_targets(results):
+def check_targets(results, levels):
     targets = []
-    for key, s in results['settings'].items():
-        fp32 = s['fp32']
-        r = fp32['ZCA g64 (eigh)']['fwd+bwd_ms'] / fp32['IterNorm g64 T5']['fwd+bwd_ms']
-        targets.append(dict(target='IterNorm layer >= 5x faster than ZCA layer (fwd+bwd, fp32)', setting=key,
-                            value=r, passed=r >= 5))
-        r = s['whitening']['zca_over_newton']
-        targets.append(dict(target='whitening matrix: Newton T5 >= 5x faster than eigh (fwd+bwd)', setting=key,
-                            value=r, passed=r >= 5))
-        for precision in ('fp32', 'amp'):
-            for layer in TARGET_LAYERS:
-                r = s[precision][layer]['fwd+bwd_vs_gn']
-                targets.append(dict(target=f'{layer} fwd+bwd <= 1.3x nn.GroupNorm ({precision})', setting=key,
-                                    value=r, passed=r <= 1.3))
+    for level in levels:
+        s = results['settings'].get(f'{level} {TARGET_DTYPE}')
+        if s is None:
+            continue
+        for name in layer_factories(256):
+            row = s['rows'].get(f'{name} [triton]')
+            why = s['unavailable'].get(f'{name} [triton]')
+            for target, key, ok in ((f'fwd+bwd <= {MAX_VS_GN}x nn.GroupNorm', 'vs_gn', lambda v: v <= MAX_VS_GN),
+                                    (f'>= {MIN_FLOOR_FRACTION:.0%} of the byte floor', 'floor_fraction',
+                                     lambda v: v >= MIN_FLOOR_FRACTION)):
+                value = None if row is None else row[key]
+                targets.append(dict(target=f'{name} [triton] {target} ({TARGET_DTYPE})', setting=level, value=value,
+                                    passed=value is not None and ok(value), note=why))
+    w = results.get('whitening')
+    if w is not None:
+        for key, what in (('zca_over_iternorm', 'IterNorm layer'), ('zca_over_newton', 'Newton T5 matrix')):
+            targets.append(dict(target=f'{what} >= {MIN_ZCA_OVER_ITERNORM:.0f}x faster than ZCA (fwd+bwd, fp32)',
+                                setting=w['level'], value=w[key], passed=w[key] >= MIN_ZCA_OVER_ITERNORM, note=None))
     return targets
+
+
+def markdown(results):
+    """A short report: conditions, one table per dtype (fwd+bwd ms, x nn.GroupNorm, % of the byte floor per
+    level; launches at the smallest level), the targets."""
+    c = results['conditions']
+    lines = [f"Device: {c['device']}; torch {c['torch']}, CUDA {c['cuda']}, triton {c['triton']}; "
+             f"copy bandwidth {results['copy_bandwidth_gbps']:.0f} GB/s (read + write); {c['note']}.", '']
+    levels = list(results['levels'])
+    for dname in results['dtypes']:
+        settings = [results['settings'][f'{lv} {dname}'] for lv in levels]
+        lines += [f'**{dname}**: fwd+bwd ms / x nn.GroupNorm / % of byte floor', '',
+                  '| layer | ' + ' | '.join(levels) + f' | launches ({levels[-1]}) |',
+                  '|---|' + '---|' * (len(levels) + 1)]
+        names = list(settings[0]['rows']) + list(settings[0]['unavailable'])
+        for name in names:
+            cells = []
+            for s in settings:
+                r = s['rows'].get(name)
+                cells.append('n/a' if r is None else
+                             f"{r['fwd+bwd_ms']:.3f} / {r['vs_gn']:.2f} / {100 * r['floor_fraction']:.0f}%")
+            last = settings[-1]['rows'].get(name)
+            lines.append(f'| {name} | ' + ' | '.join(cells) + f" | {last['launches'] if last else 'n/a'} |")
+        lines.append('')
+    unavailable = {k: v for s in results['settings'].values() for k, v in s['unavailable'].items()}
+    lines += [f'n/a: {k}: {v}' for k, v in sorted(unavailable.items())]
+    if 'whitening' in results:
+        w = results['whitening']
+        lines.append(f"\nIterNorm g64 T5 vs ZCA at {w['level']} fp32 (fwd+bwd): layer {w['zca_over_iternorm']:.1f}x, "
+                     f"whitening matrix {w['zca_over_newton']:.1f}x")
+    lines += ['', '| target | level | value | result |', '|---|---|---|---|']
+    for t in results['targets']:
+        v = 'n/a' if t['value'] is None else f"{t['value']:.2f}"
+        lines.append(f"| {t['target']} | {t['setting']} | {v} | {'PASS' if t['passed'] else 'FAIL'} |")
+    return '\n'.join(lines) + '\n'
 
 
 def slug(name):
@@ -142,46 +249,68 @@ def slug(name):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--device', default='cuda', choices=('cuda', 'cpu'))
-    parser.add_argument('--quick', action='store_true', help='tiny shapes, 3 repeats: checks the code path only')
-    parser.add_argument('--repeats', type=int, default=None, help='timed rounds (default 30; 3 with --quick)')
-    parser.add_argument('--warmup', type=int, default=None, help='untimed rounds first (default 5; 1 with --quick)')
+    parser.add_argument('--quick', action='store_true', help='a tiny shape in bf16, 3 repeats: the code path only')
+    parser.add_argument('--repeats', type=int, default=None, help='timed rounds (default 25; 3 with --quick)')
+    parser.add_argument('--warmup', type=int, default=None, help='untimed rounds first (default 3; 1 with --quick)')
     parser.add_argument('--out', default=None, help='JSON path (default benchmarks/results/gpu_<device>.json)')
+    parser.add_argument('--md', default=None, help='markdown path (default: the JSON path with .md)')
     args = parser.parse_args(argv)
     if args.device == 'cuda' and not torch.cuda.is_available():
         sys.exit('benchmarks/gpu.py: no GPU (torch.cuda.is_available() is False): nothing measured; '
                  '--device cpu --quick runs the code path without measuring')
-    repeats = args.repeats or (3 if args.quick else 30)
-    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
-    shapes = QUICK_SHAPES if args.quick else SHAPES
+    repeats = args.repeats or (3 if args.quick else 25)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    levels = QUICK_LEVELS if args.quick else LEVELS
+    dtypes = QUICK_DTYPES if args.quick else tuple(DTYPES)
     device_name = torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
     cond = dict(conditions(torch.get_num_threads()), device=device_name, quick=args.quick, repeats=repeats,
-                warmup=warmup, cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
-                note='synchronized per call (launch overhead counted), interleaved candidates, medians' if args.device == 'cuda' else
-                'CPU code-path check only: not a GPU measurement')
+                warmup=warmup, cuda=torch.version.cuda, triton=triton_version,
+                triton_interpret=os.environ.get('TRITON_INTERPRET'),
+                note='synchronized per call (launch overhead counted), interleaved rows, medians'
+                if args.device == 'cuda' else 'CPU code-path check only: not a GPU measurement')
+    if args.device == 'cuda':  # the whitening compares formulas: no TF32 in the matrix products
+        torch.backends.cuda.matmul.allow_tf32 = False
+    copy_bw = copy_bandwidth(args.device, (256 if args.device == 'cuda' else 8) << 20)
     print('conditions:', json.dumps(cond))
-    results = dict(conditions=cond, shapes=[list(s) for s in shapes], settings={})
-    for shape in shapes:
-        key = 'x'.join(map(str, shape))
-        s = results['settings'][key] = {}
-        for precision in ('fp32', 'amp'):
-            s[precision] = bench_setting(shape, args.device, precision, repeats, warmup)
-            print(f'\n{key} {precision}: {"layer":26s} {"fwd ms":>8s} {"fwd+bwd ms":>10s} {"vs GN":>6s} {"peak MB":>8s} '
-                  f'{"ops":>5s}')
-            for name, row in s[precision].items():
-                peak = '-' if row['peak_bytes'] is None else f'{row["peak_bytes"] / 2**20:.1f}'
-                print(f'  {name:34s} {row["fwd_ms"]:8.3f} {row["fwd+bwd_ms"]:10.3f} {row["fwd+bwd_vs_gn"]:6.2f} '
-                      f'{peak:>8s} {row["ops"]:5d}')
-        s['whitening'] = bench_whitening(shape, args.device, repeats, warmup)
-        print(f'  whitening matrix fwd+bwd: ZCA / Newton T5 = {s["whitening"]["zca_over_newton"]:.2f}')
-    results['targets'] = check_targets(results)
+    print(f'device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)')
+    results = dict(conditions=cond, levels={k: list(v) for k, v in levels.items()}, dtypes=list(dtypes),
+                   copy_bandwidth_gbps=copy_bw / 1e9, settings={})
+    t_start = time.perf_counter()
+    for dname in dtypes:
+        for level, shape in levels.items():
+            rows, unavailable = bench_setting(shape, DTYPES[dname], args.device, repeats, warmup, copy_bw)
+            results['settings'][f'{level} {dname}'] = dict(shape=list(shape), rows=rows, unavailable=unavailable)
+            print(f'\n{level} {"x".join(map(str, shape))} {dname}: {"row":30s} {"fwd ms":>8s} {"f+b ms":>8s} '
+                  f'{"x GN":>5s} {"GB/s":>6s} {"floor":>6s} {"launches":>8s}')
+            for name, r in rows.items():
+                print(f'  {name:40s} {r["fwd_ms"]:8.3f} {r["fwd+bwd_ms"]:8.3f} {r["vs_gn"]:5.2f} {r["gbps"]:6.0f} '
+                      f'{100 * r["floor_fraction"]:5.0f}% {r["launches"]:8d}')
+            for name, why in unavailable.items():
+                print(f'  {name:40s} n/a: {why}')
+    wlevel = 'tiny' if args.quick else 'P3'
+    results['whitening'] = dict(bench_whitening(levels[wlevel], args.device, repeats, warmup), level=wlevel)
+    results['targets'] = check_targets(results, list(QUICK_LEVELS) if args.quick else TARGET_LEVELS)
+    results['wall_s'] = time.perf_counter() - t_start
+    print()
     for t in results['targets']:
-        print(f'{"PASS" if t["passed"] else "FAIL"}  {t["target"]:60s} {t["setting"]:16s} {t["value"]:.2f}')
+        v = 'n/a' if t['value'] is None else f"{t['value']:.2f}"
+        print(f'{"PASS" if t["passed"] else "FAIL"}  {t["target"]:70s} {t["setting"]:5s} {v}'
+              + (f'  ({t["note"]})' if t['note'] else ''))
     out = args.out or osp.join(ROOT, 'benchmarks', 'results',
                                f'gpu_{slug(device_name)}{"_quick" if args.quick else ""}.json')
-    os.makedirs(osp.dirname(osp.abspath(out)), exist_ok=True)
+    md = args.md or osp.splitext(out)[0] + '.md'
+    for path in (out, md):
+        os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
     with open(out, 'w') as f:
         json.dump(results, f, indent=1)
-    print(f'wrote {out}')
+    with open(md, 'w') as f:
+        f.write(markdown(results))
+    print(f'wrote {out} and {md} ({results["wall_s"]:.0f} s)')
     return results
 
 

@@ -8,15 +8,21 @@ torchvision://) then loads weights-only (``normdense.checkpoint.install_safe_loa
 mmengine.runner.checkpoint is imported). mmdet, mmseg and mmpretrain are optional (normdense.codebases)
 and not imported here: their models register when a config or tool needs them (normdense.lazy).
 """
+import os as _os
+
 from .version import __version__  # noqa: F401
-from .compat import check_core_versions
+from .compat import LAYERS_ONLY_ENV, check_core_versions
 
-check_core_versions()
+# NORMDENSE_LAYERS_ONLY=1 (normdense/compat.py): torch alone is checked and nothing below is imported; what
+# needs mmengine then fails on its own import
+LAYERS_ONLY = _os.environ.get(LAYERS_ONLY_ENV) == '1'
+check_core_versions(names=('torch', ) if LAYERS_ONLY else None)
 
-from .checkpoint import allow_mmengine_checkpoint_types, install_safe_loaders_on_import  # noqa: E402
-from . import registry  # noqa: F401,E402  (registers into mmengine's root MODELS / HOOKS)
+if not LAYERS_ONLY:
+    from .checkpoint import allow_mmengine_checkpoint_types, install_safe_loaders_on_import
+    from . import registry  # noqa: F401  (registers into mmengine's root MODELS / HOOKS)
 
-allow_mmengine_checkpoint_types()
-install_safe_loaders_on_import()  # patched when mmengine.runner.checkpoint is imported (it is slow to import)
-from .model_convert import convert_model, revert_model  # noqa: F401,E402  (BN/GN/convs of a built model)
-from .norm_switch import CHOICES as NORM_CHOICES, switch_norm  # noqa: F401,E402  (the norm switch on a config)
+    allow_mmengine_checkpoint_types()
+    install_safe_loaders_on_import()  # patched when mmengine.runner.checkpoint is imported (it is slow to import)
+    from .model_convert import convert_model, revert_model  # noqa: F401  (BN/GN/convs of a built model)
+    from .norm_switch import CHOICES as NORM_CHOICES, switch_norm  # noqa: F401  (the norm switch on a config)

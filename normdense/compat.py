@@ -9,6 +9,11 @@ from typing import Dict, Optional, Tuple
 
 from . import version as _v
 
+# ``NORMDENSE_LAYERS_ONLY=1``: ``import normdense`` checks torch alone and registers nothing into mmengine, so
+# the layers, the kernels and deploy.fuse import on a machine with torch (and triton) only, e.g. a GPU machine
+# without an mmcv build (scripts/gpu_check.sh sets it there)
+LAYERS_ONLY_ENV = 'NORMDENSE_LAYERS_ONLY'
+
 # name -> (minimum, exclusive maximum or None, how to install a supported one)
 SUPPORTED: Dict[str, Tuple[str, Optional[str], str]] = {
     'torch': (_v.torch_minimum_version, None, 'pip install "torch>={lo}"'),
@@ -49,10 +54,11 @@ def version_problem(name: str, installed: Optional[str]) -> Optional[str]:
     return None
 
 
-def installed_versions() -> Dict[str, Optional[str]]:
-    """``__version__`` of each core package (module attribute, so mmcv-lite counts as mmcv)."""
+def installed_versions(names=None) -> Dict[str, Optional[str]]:
+    """``__version__`` of each core package (module attribute, so mmcv-lite counts as mmcv); ``names``: only
+    those (default all)."""
     found = {}
-    for name in SUPPORTED:
+    for name in names or SUPPORTED:
         try:
             module = __import__(name)
         except ModuleNotFoundError as e:
@@ -64,9 +70,11 @@ def installed_versions() -> Dict[str, Optional[str]]:
     return found
 
 
-def check_core_versions(versions: Optional[Dict[str, Optional[str]]] = None) -> None:
-    """Raise ``ImportError`` (one line per unsupported package) unless every core package is in range."""
-    versions = installed_versions() if versions is None else versions
-    problems = [p for p in (version_problem(name, versions.get(name)) for name in SUPPORTED) if p]
+def check_core_versions(versions: Optional[Dict[str, Optional[str]]] = None, names=None) -> None:
+    """Raise ``ImportError`` (one line per unsupported package) unless every core package (or each of
+    ``names``) is in range."""
+    names = tuple(names or SUPPORTED)
+    versions = installed_versions(names) if versions is None else versions
+    problems = [p for p in (version_problem(name, versions.get(name)) for name in names) if p]
     if problems:
         raise ImportError('\n'.join(problems))

@@ -175,6 +175,35 @@ def test_import_time_version_check_names_the_range_and_the_fix():
         check_core_versions(dict(ok, mmengine='1.0.0'))
 
 
+# a torch-only machine (the GPU machines of scripts/gpu_check.sh): mmcv, mmengine and the codebases absent
+_BLOCK_MM = """import sys
+class _Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('mmcv', 'mmengine', 'mmdet', 'mmseg', 'mmpretrain'):
+            raise ModuleNotFoundError(f'No module named {name!r}', name=name.split('.')[0])
+sys.meta_path.insert(0, _Block())
+"""
+
+
+def test_layers_only_mode_imports_the_layers_with_torch_alone(tmp_path):
+    (tmp_path / 'sitecustomize.py').write_text(_BLOCK_MM)
+    code = ('import sys, torch, normdense; from normdense.layers import IterNorm, BatchChannelNorm2d; '
+            'from normdense.deploy.fuse import fuse; import normdense.kernels; '
+            'BatchChannelNorm2d(8, 2, mode="batch")(torch.randn(2, 8, 3, 3)).sum().backward(); '
+            'print(normdense.LAYERS_ONLY, sorted(m for m in sys.modules if m.split(".")[0] in ("mmcv", "mmengine")))')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    env.pop('NORMDENSE_LAYERS_ONLY', None)
+    proc = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and 'mmengine' in proc.stderr  # without the switch: the version check
+    env['NORMDENSE_LAYERS_ONLY'] = '1'
+    proc = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == 'True []', proc.stdout
+    with pytest.raises(ImportError, match='torch>='):  # torch is still checked
+        check_core_versions(dict(torch='2.0.1'), names=('torch', ))
+    check_core_versions(dict(torch='2.12.1'), names=('torch', ))  # mmcv/mmengine not asked for
+
+
 def test_self_check_fails_when_a_gpu_meets_cpu_only_mmcv_ops():
     # CPU machine (here, CI): CPU-only ops are right, whatever CUDA torch was built with
     assert cuda_ops_problem(False, '13.0', NO_CUDA) is None

@@ -37,6 +37,11 @@ or lower eps. The criterion is per group: a dead channel inside a live group is 
 says (its direction, eigenvalue eps, gets W's largest gain), as BatchNorm's running variance tracks a
 dead channel.
 
+On CUDA a training step never waits for the host: no value is read back (the running-statistics update above
+is a tensor condition) and no tensor is built from Python data; the Newton steps are batched matrix products
+over all groups of one size at once (at most two blocks: the equal groups and a smaller last one), so the
+launches per step do not grow with the number of groups (tests/layers/test_iternorm_sync.py).
+
 Gradients flow by autograd through the T iterations (the paper's Eq. 6-7 manual backward is not needed).
 The whitening runs in float32 (float64 for float64 inputs) with autocast disabled.
 

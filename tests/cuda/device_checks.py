@@ -29,6 +29,7 @@ import normdense
 
 _PKG = osp.dirname(osp.abspath(normdense.__file__))
 _ALWAYS = {'_local_scalar_dense': 'host reads a value (.item()/float()/bool()/if on a tensor)',
+           'item': 'host reads a value', 'is_nonzero': 'host reads a value (bool of a one-element tensor)',
            'lift_fresh': 'tensor from Python data (host-to-device copy)',
            'lift_fresh_copy': 'tensor from Python data (host-to-device copy)',
            'nonzero': 'output shape depends on values', 'masked_select': 'output shape depends on values',

@@ -99,6 +99,7 @@ AMP = [pytest.param('cpu', torch.bfloat16, 4, id='cpu-bf16-4steps'),
        pytest.param('cuda', torch.bfloat16, 100, id='cuda-bf16-100steps', marks=pytest.mark.cuda)]
 
 
+@pytest.mark.mmengine
 @pytest.mark.parametrize('device,dtype,steps', AMP)
 @pytest.mark.parametrize('case', case_params())
 def test_mixed_precision_training_stays_finite(case, device, dtype, steps):

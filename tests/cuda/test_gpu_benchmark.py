@@ -1,5 +1,8 @@
-"""benchmarks/gpu.py: without a GPU it refuses in one line; ``--device cpu --quick`` runs every part of
-it (all layers, both precisions, fwd and fwd+bwd, the whitening comparison, targets, JSON)."""
+"""benchmarks/gpu.py: without a GPU it refuses in one line; ``--device cpu --quick`` runs every part of it
+(nn.GroupNorm and each Triton-backed layer with both backends, launch counts, bytes against the copy
+bandwidth, the IterNorm/ZCA comparison, targets, JSON and markdown). On the CPU the Triton rows run under
+Triton's interpreter (``TRITON_INTERPRET=1``, tests/conftest.py)."""
+import inspect
 import json
 import os.path as osp
 import subprocess
@@ -10,26 +13,68 @@ import torch
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 SCRIPT = osp.join(ROOT, 'benchmarks', 'gpu.py')
+sys.path.insert(0, ROOT)
+from benchmarks import gpu  # noqa: E402
+
+LAYERS = ('BCN estimate', 'BCN batch', 'GN+PN relu', 'Unitization batch', 'Unitization estimate')
 
 
-def test_quick_cpu_run_writes_complete_json(tmp_path):
-    sys.path.insert(0, ROOT)
-    from benchmarks import gpu
-    out = tmp_path / 'gpu.json'
-    results = gpu.main(['--device', 'cpu', '--quick', '--out', str(out)])
+def _run(tmp_path):
+    out, md = tmp_path / 'b.json', tmp_path / 'b.md'
+    results = gpu.main(['--device', 'cpu', '--quick', '--out', str(out), '--md', str(md)])
     data = json.loads(out.read_text())
-    assert data['conditions']['device'] == 'cpu' and data['conditions']['quick'] is True
-    (key, setting), = data['settings'].items()
-    assert key == '1x64x8x8'
-    names = set(gpu.candidates(64))
-    assert {'nn.GroupNorm(32)', 'nn.BatchNorm2d', 'IterNorm g64 T5', 'ZCA g64 (eigh)', 'WSConv2d 3x3'} <= names
-    for precision in ('fp32', 'amp'):
-        assert set(setting[precision]) == names
-        for row in setting[precision].values():
-            assert row['fwd_ms'] > 0 and row['fwd+bwd_ms'] > 0 and row['peak_bytes'] is None
-    assert setting['whitening']['zca_over_newton'] > 0
-    assert len(data['targets']) == 2 + 2 * len(gpu.TARGET_LAYERS)
     assert results['targets'] == data['targets']
+    return data, md.read_text()
+
+
+def _check_rows(data, measured_layers):
+    assert data['conditions']['device'] == 'cpu' and data['conditions']['quick'] is True
+    assert list(data['settings']) == ['tiny bf16'] and data['copy_bandwidth_gbps'] > 0
+    s = data['settings']['tiny bf16']
+    expected = {gpu.GN} | {f'{n} [{b}]' for n in LAYERS for b in gpu.BACKENDS}
+    assert set(s['rows']) | set(s['unavailable']) == expected and not set(s['rows']) & set(s['unavailable'])
+    assert all(s['unavailable'].values())  # each with its reason
+    assert {f'{n} [aten]' for n in measured_layers} | {gpu.GN} <= set(s['rows'])
+    floor = 8 * 64 * 64 * 2  # 3 + 5 passes over a bf16 1x64x8x8
+    for name, row in s['rows'].items():
+        assert row['fwd_ms'] > 0 and row['fwd+bwd_ms'] > 0 and row['floor_bytes'] == floor, name
+        assert row['gbps'] > 0 and row['floor_fraction'] > 0 and row['gpu_kernels'] is None, name
+        assert row['launches'] == row['aten_ops'] + row['triton_launches'] > 0, name
+    assert s['rows'][gpu.GN]['vs_gn'] == 1.0 and s['rows'][gpu.GN]['triton_launches'] == 0
+    assert len(data['targets']) == 2 * len(LAYERS) + 2
+    for t in data['targets'][:-2]:  # a target without its row fails, with the reason
+        assert t['passed'] is False or t['value'] is not None
+        assert t['value'] is not None or t['note']
+    assert data['whitening']['zca_over_iternorm'] > 0 and data['whitening']['zca_over_newton'] > 0
+
+
+def test_quick_cpu_run_writes_complete_json_and_table(tmp_path):
+    from normdense.layers.bcn import BatchChannelNorm2d
+    data, md = _run(tmp_path)
+    has_backends = 'backend' in inspect.signature(BatchChannelNorm2d.__init__).parameters
+    _check_rows(data, LAYERS if has_backends else ())
+    if has_backends:  # the Triton rows run on CPU tensors in the interpreter (tests/conftest.py sets it)
+        assert not data['settings']['tiny bf16']['unavailable']
+        assert all(data['settings']['tiny bf16']['rows'][f'{n} [triton]']['triton_launches'] > 0 for n in LAYERS)
+    assert md.count('\n| ') >= 12 and '| nn.GroupNorm(32) | ' in md and ('PASS' in md or 'FAIL' in md)
+
+
+def test_quick_cpu_run_measures_layer_rows(tmp_path, monkeypatch):
+    """The measuring path of every layer row, whether or not the layers have the ``backend`` option yet: the
+    layers with their default backend (ATen on CPU tensors), the Triton rows left out with a reason."""
+    def build(factory, backend, x, device):
+        if backend == 'triton':
+            return None, 'left out in this test'
+        return factory().to(device).train(), None
+
+    monkeypatch.setattr(gpu, 'build', build)
+    data, md = _run(tmp_path)
+    _check_rows(data, LAYERS)
+    s = data['settings']['tiny bf16']
+    assert s['unavailable'] == {f'{n} [triton]': 'left out in this test' for n in LAYERS}
+    assert all(s['rows'][f'{n} [aten]']['aten_ops'] > s['rows'][gpu.GN]['aten_ops'] for n in LAYERS)
+    assert '| BCN batch [aten] | ' in md and '| BCN batch [triton] | n/a | n/a |' in md
+    assert all(not t['passed'] for t in data['targets'][:-2])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason='checks the message shown without a GPU')

@@ -1,0 +1,125 @@
+"""The Triton backend on a GPU against the ATen backend, at FPN shapes (issue 27).
+
+For BCN (estimate, batch), GN+PN (relu, gelu) and Unitization (batch, estimate) at the FPN levels P3-P7 of
+two 800x1216 images in fp32, fp16 and bf16 (P2, 2x256x200x304, in bf16 only, to keep the time), three
+training steps of the same layer built with ``backend='triton'``, with ``backend='aten'`` and, as the truth,
+with ``backend='aten'`` in float64: after each step the output, the input gradient, the parameter gradients
+and the buffers (running statistics / estimates).
+
+Tolerance, per quantity, relative to its scale (max |float64 value|): Triton's deviation from float64 is at
+most twice ATen's own plus ``tol``: 1e-4 for float32 quantities (fp32 inputs; buffers and parameter
+gradients, float32 for every input dtype) and the dtype's epsilon for fp16/bf16 outputs and input gradients.
+Half inputs come with float32 parameters, as under autocast.
+
+The GPU test is marked ``cuda``: reported as "needs CUDA: not run" without a GPU (nothing from triton is
+imported at collection, so the file collects everywhere). Run it with ``TRITON_INTERPRET`` unset: the kernels
+must be compiled for the GPU. The comparison itself runs on the CPU in every suite, with the ATen layer in
+both roles (and a perturbed one, which it must reject).
+"""
+import copy
+
+import pytest
+import torch
+
+from normdense.layers.bcn import BatchChannelNorm2d
+from normdense.layers.proxy_norm import GroupProxyNorm
+from normdense.layers.unitization import Unitization2d
+
+LEVELS = {'P2': (2, 256, 200, 304), 'P3': (2, 256, 100, 152), 'P4': (2, 256, 50, 76), 'P5': (2, 256, 25, 38),
+          'P6': (2, 256, 13, 19), 'P7': (2, 256, 7, 10)}
+DTYPES = {'fp32': torch.float32, 'fp16': torch.float16, 'bf16': torch.bfloat16}
+LAYERS = {
+    'BCN-estimate': lambda backend: BatchChannelNorm2d(256, 32, mode='estimate', update_rate=0.1, backend=backend),
+    'BCN-batch': lambda backend: BatchChannelNorm2d(256, 32, mode='batch', backend=backend),
+    'GNPN-relu': lambda backend: GroupProxyNorm(256, 32, act='relu', backend=backend),
+    'GNPN-gelu': lambda backend: GroupProxyNorm(256, 32, act='gelu', backend=backend),
+    'Unitization-batch': lambda backend: Unitization2d(256, backend=backend),
+    'Unitization-estimate': lambda backend: Unitization2d(256, mode='estimate', update_rate=0.1, backend=backend),
+}
+SETTINGS = [pytest.param(level, dname, id=f'{level}-{dname}') for level in LEVELS for dname in DTYPES
+            if level != 'P2' or dname == 'bf16']
+STEPS = 3
+FP32_TOL = 1e-4
+
+
+def _build(factory, device):
+    """(triton, aten, float64 aten) copies of one layer with the same, non-trivial parameters."""
+    torch.manual_seed(0)
+    base = factory('aten')
+    with torch.no_grad():
+        for p in base.parameters():
+            p.add_(torch.empty_like(p).uniform_(-0.3, 0.3))
+    triton = factory('triton')
+    triton.load_state_dict(base.state_dict())
+    return (triton.to(device).train(), copy.deepcopy(base).to(device).train(),
+            copy.deepcopy(base).double().to(device).train())
+
+
+def _step(module, x, dy):
+    x = x.detach().requires_grad_(True)
+    module.zero_grad(set_to_none=True)
+    out = module(x)
+    out.backward(dy)
+    grads = {f'grad of {n}': p.grad for n, p in module.named_parameters()}
+    buffers = {f'buffer {n}': b.clone() for n, b in module.named_buffers() if b.is_floating_point()}
+    return dict(output=out.detach(), **{'input gradient': x.grad}, **grads, **buffers)
+
+
+def _tolerance(t):
+    return FP32_TOL if t.dtype in (torch.float32, torch.float64) else torch.finfo(t.dtype).eps
+
+
+def _check(got, aten, ref, what):
+    assert set(got) == set(aten) == set(ref), (sorted(got), sorted(ref))
+    for key in ref:
+        r = ref[key].double()
+        scale = float(r.abs().max().clamp_min(1e-30))
+        assert got[key].dtype == aten[key].dtype, f'{what} {key}: {got[key].dtype} vs {aten[key].dtype}'
+        assert torch.isfinite(got[key]).all(), f'{what} {key}: not finite'
+        err_triton = float((got[key].double() - r).abs().max()) / scale
+        err_aten = float((aten[key].double() - r).abs().max()) / scale
+        bound = 2 * err_aten + _tolerance(got[key])
+        assert err_triton <= bound, (f'{what} {key}: Triton {err_triton:.2e} from float64, ATen {err_aten:.2e} '
+                                     f'(bound {bound:.2e})')
+
+
+def compare(factory, shape, dtype, device, selected_backend=None, what=''):
+    """Three training steps of ``factory('triton')`` against ``factory('aten')`` and its float64 copy."""
+    triton, aten, ref = _build(factory, device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    for step in range(STEPS):
+        x = (torch.randn(shape, generator=gen, device=device) * 2 + 0.5).to(dtype)
+        dy = torch.randn(shape, generator=gen, device=device).to(dtype)
+        if step == 0 and selected_backend is not None:  # the rows compare what they are named after
+            assert selected_backend(triton, x) == 'triton' and selected_backend(aten, x) == 'aten'
+        _check(_step(triton, x, dy), _step(aten, x, dy), _step(ref, x.double(), dy.double()), f'{what} step {step}')
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize('level,dname', SETTINGS)
+@pytest.mark.parametrize('name', list(LAYERS))
+def test_triton_matches_aten_on_cuda(name, level, dname):
+    from normdense.kernels.backend import selected_backend
+    compare(LAYERS[name], LEVELS[level], DTYPES[dname], 'cuda', selected_backend, f'{name} {level} {dname}')
+
+
+def _aten_only(make, bias_shift=0.0):
+    """A factory of the layer ``make()`` (its default backend: ATen on CPU tensors) for both roles; the
+    'triton' one with its output shifted by ``bias_shift``."""
+    def factory(backend):
+        module = make()
+        if backend == 'triton' and bias_shift:
+            module.register_forward_hook(lambda m, i, o: o + bias_shift)
+        return module
+    return factory
+
+
+@pytest.mark.parametrize('dname', ['fp32', 'bf16'])
+def test_comparison_accepts_equal_paths_and_rejects_a_deviation_cpu(dname):
+    make = lambda: GroupProxyNorm(256, 32, act='gelu')  # noqa: E731
+    compare(_aten_only(make), LEVELS['P7'], DTYPES[dname], 'cpu', what='same path')
+    make = lambda: BatchChannelNorm2d(256, 32, mode='estimate', update_rate=0.1)  # noqa: E731
+    compare(_aten_only(make), LEVELS['P7'], DTYPES[dname], 'cpu', what='same path')
+    shift = 1e-3 if dname == 'fp32' else 0.1  # above fp32's 1e-4, above bf16's eps (2**-7) of the scale
+    with pytest.raises(AssertionError, match='output: Triton'):
+        compare(_aten_only(make, shift), LEVELS['P7'], DTYPES[dname], 'cpu', what='shifted')
