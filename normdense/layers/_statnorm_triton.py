@@ -16,7 +16,7 @@ import torch
 
 from ..kernels import backend as _backend
 from ._estimate import in_backward, world_size
-from ._statnorm import _aten_kernels, _centred, _reshaped_base, _StatNormFn, batch_moments_vjp
+from ._statnorm_aten import _aten_kernels, _centred, _reshaped_base, _StatNormFn, batch_moments_vjp
 
 _HALF = (torch.float16, torch.bfloat16)
 
