@@ -47,6 +47,9 @@ def run(rank, init_file, device, out_dir):
                                 grads={n: p.grad.cpu() for n, p in layer.named_parameters()},
                                 buffers={n: b.cpu() for n, b in layer.named_buffers()},
                                 device=str(out.device))
+        # no rank tears the group down while the other is still in a collective (a closed gloo connection
+        # aborts the other process: seen once in CI, SIGABRT "terminate called without an active exception")
+        dist.barrier()
         torch.save(result, f'{out_dir}/rank{rank}.pth')
     finally:
         dist.destroy_process_group()
