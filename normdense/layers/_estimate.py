@@ -137,6 +137,15 @@ def watch_backward(y: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def watch_estimate_call(layer, y: torch.Tensor) -> torch.Tensor:
+    """:func:`watch_backward` for a training output of an estimate-mode ``layer``, except where the Triton
+    backend's torch.library operator took the call under torch.compile: its backward ends the iteration when it
+    runs (a hook traced into a compiled backward cannot change Python state)."""
+    if torch.compiler.is_compiling() and layer.__dict__.get('_op_marks_iteration', False):
+        return y
+    return watch_backward(y)
+
+
 def in_backward() -> bool:
     """True while the autograd engine runs a backward pass on this thread: a forward then is an activation
     checkpoint's recomputation (torch.utils.checkpoint, both modes; mmdet/mmseg ``with_cp=True``)."""

@@ -21,12 +21,13 @@ from ._statnorm_aten import _aten_kernels, _centred, _reshaped_base, _StatNormFn
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def triton_forward(layer, x):
+def triton_forward(layer, x, keep=None):
     """The layer's output on x by the Triton backend, or None where a kernel failed to compile (then the
-    caller takes the ATen path)."""
+    caller takes the ATen path). ``keep`` (a list): no autograd graph; what the backward needs is appended to
+    it instead, for :func:`backward_of` (the torch.library operator of ``_statnorm_compile.py``)."""
     from ..kernels import passes as P
     try:
-        return _forward(layer, x, P)
+        return _forward(layer, x, P, keep)
     except _backend.compile_errors() as e:
         _backend.give_up_triton(layer, e)
         st = layer.__dict__.get('_iteration')
@@ -43,7 +44,7 @@ def _act(layer):
     return act_args(act.name, act.kwargs)
 
 
-def _forward(layer, x, P):
+def _forward(layer, x, P, keep=None):
     shape = x.shape
     cd, out_dtype = layer._statnorm_dtypes(x)
     with torch.autocast(x.device.type, enabled=False):
@@ -57,7 +58,13 @@ def _forward(layer, x, P):
         act = _act(layer)
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(
             p is not None and p.requires_grad for p in params))
-        if not needs_grad:
+        if keep is not None:
+            ctx = types.SimpleNamespace(needs_input_grad=(True, ))
+            y = _keep_forward(ctx, x3, layer, m, v, stats, act, out_dtype, [write, nbt], *params)
+            ctx.saved_tensors = (x3, )
+            keep.append(ctx)
+            needs_grad = False
+        elif not needs_grad:
             coeffs, _ = _maps(layer, stats)[0](m, v, stats[1], stats[2], params, x3.shape[2], stats[3])
             y = P.apply(x3, m, v, coeffs, act, out_dtype, write, nbt)
         else:
@@ -113,18 +120,33 @@ def _first_stage(layer, P, part, split, chunk, shape):
         nbt if track and nbt is not None else None, None
 
 
+def _keep_forward(ctx, x3, layer, m, v, stats, act, out_dtype, effects, *params):
+    """y, with what the backward needs set on ``ctx`` (all but x3)."""
+    from ..kernels import passes as P
+    cmap, _ = _maps(layer, stats)
+    coeffs, res = cmap(m, v, stats[1], stats[2], params, x3.shape[2], stats[3])
+    ctx.layer, ctx.m, ctx.v, ctx.coeffs, ctx.res, ctx.stats, ctx.act = layer, m, v, coeffs, res, stats, act
+    ctx.params = params
+    ctx.param_dtypes = [None if p is None else p.dtype for p in params]
+    return P.apply(x3, m, v, coeffs, act, out_dtype, effects[0], effects[1])
+
+
+def backward_of(ctx, dy):
+    """(dx, *dparams) of a forward run with ``keep`` (dparams aligned with ``_statnorm_params()``)."""
+    x3, = ctx.saved_tensors
+    with torch.autocast(x3.device.type, enabled=False):
+        dy = dy.reshape(x3.shape)
+        dy = (dy if dy.dtype == x3.dtype else dy.to(x3.dtype)).contiguous()
+        out = _backward(ctx, x3, dy)
+    return (out[0], ) + tuple(out[8:])
+
+
 class _TritonStatNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x3, layer, m, v, stats, act, out_dtype, effects, *params):
-        from ..kernels import passes as P
-        cmap, _ = _maps(layer, stats)
-        coeffs, res = cmap(m, v, stats[1], stats[2], params, x3.shape[2], stats[3])
         ctx.save_for_backward(x3)
-        ctx.layer, ctx.m, ctx.v, ctx.coeffs, ctx.res, ctx.stats, ctx.act = layer, m, v, coeffs, res, stats, act
-        ctx.params = params
-        ctx.param_dtypes = [None if p is None else p.dtype for p in params]
-        return P.apply(x3, m, v, coeffs, act, out_dtype, effects[0], effects[1])
+        return _keep_forward(ctx, x3, layer, m, v, stats, act, out_dtype, effects, *params)
 
     @staticmethod
     @torch.autograd.function.once_differentiable

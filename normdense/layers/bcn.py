@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from ._checks import check_group_values
 # update_estimates_ and set_update_rate keep their old import path (normdense.layers.bcn)
 from ._estimate import EstimateRateMixin, check_rate, set_update_rate, update_estimates_  # noqa: F401
-from ._estimate import in_backward, watch_backward
+from ._estimate import in_backward, watch_estimate_call
 from ._estimate import world_size as _world_size
 from ._eval_maps import standardization_affine
 from ._fused import compute_dtype
@@ -205,7 +205,7 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
             y = self._forward_recompute(x)
         else:
             y = self._channel_stage(self._batch_stage(x), self.weight, self.bias)
-        return watch_backward(y) if self.mode == 'estimate' and self.training else y
+        return watch_estimate_call(self, y) if self.mode == 'estimate' and self.training else y
 
     def _fusable(self, x) -> bool:
         # no positions or samples, or batch statistics of one value: the reference path has the answer

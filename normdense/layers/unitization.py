@@ -58,7 +58,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ._estimate import EstimateRateMixin, in_backward, watch_backward
+from ._estimate import EstimateRateMixin, in_backward, watch_estimate_call
 from ._eval_maps import standardization_affine
 from ._recompute import checkpoint_once, recompute_active
 from ..kernels.backend import check_backend
@@ -200,7 +200,7 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
             raise ValueError(f'Unitization2d({self.num_features}) expects (N, {self.num_features}, ...) input, '
                              f'got shape {tuple(x.shape)}')
         y = self._forward(x)
-        return watch_backward(y) if self.mode == 'estimate' and self.training else y
+        return watch_estimate_call(self, y) if self.mode == 'estimate' and self.training else y
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == 0:

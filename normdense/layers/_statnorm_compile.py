@@ -1,0 +1,140 @@
+"""The Triton backend under ``torch.compile``: a layer's call is one operator registered through torch.library,
+``normdense::statnorm``, and its backward ``normdense::statnorm_backward``.
+
+Dynamo cannot trace Triton's launch machinery (or its interpreter), and the engine's per-iteration
+bookkeeping (estimate mode, checkpoint recomputation) is Python state; as an operator the call is opaque to
+the compiler and runs the eager Triton path (the same kernels, the same launches) when the compiled graph
+executes. The module's buffers go in as arguments and their new values come out (an operator with an
+autograd formula must be functional; the traced code copies them back into the buffers); the parameters go
+in as inputs, so the operator's backward returns their gradients. The forward
+keeps the eager path's autograd graph under a ticket (a CPU int64 scalar: reading it syncs nothing) that the
+backward consumes.
+"""
+import contextlib
+import itertools
+import weakref
+from typing import List, Tuple
+
+import torch
+
+from ._estimate import mark_iteration
+
+_LAYERS = weakref.WeakValueDictionary()  # handle -> layer
+_PENDING = {}  # ticket -> (y, inputs needing grad): the eager graphs awaiting their backward
+_TICKETS = itertools.count(1)
+_MAX_PENDING = 4096  # forwards whose backward never ran (e.g. an exception): the oldest are dropped
+
+
+@torch._dynamo.assume_constant_result  # run when traced (a weakref cannot be made in a graph): a constant
+def handle(layer) -> str:
+    key = f'{type(layer).__name__}@{id(layer):x}'
+    _LAYERS[key] = layer
+    return key
+
+
+def state_of(layer) -> List[torch.Tensor]:
+    return [b for b in (layer._buffers.get(n) for n in ('running_mean', 'running_var', 'num_batches_tracked'))
+            if b is not None]
+
+
+@contextlib.contextmanager
+def _swapped(layer, params, state):
+    """The layer reads ``params`` and writes ``state`` (the operator's arguments, which functionalization may
+    have copied) instead of its own parameters and buffers, for the length of the call."""
+    names = [n for n in ('running_mean', 'running_var', 'num_batches_tracked') if layer._buffers.get(n) is not None]
+    p_names = _param_names(layer)
+    saved_p = {n: layer._parameters[n] for n in p_names}
+    saved_b = {n: layer._buffers[n] for n in names}
+    try:
+        for n, p in zip(p_names, params):
+            layer._parameters[n] = p
+        for n, b in zip(names, state):
+            layer._buffers[n] = b
+        yield
+    finally:
+        layer._parameters.update(saved_p)
+        layer._buffers.update(saved_b)
+
+
+def _param_names(layer):
+    # the names of _statnorm_params() in order (None entries: absent parameters)
+    by_id = {id(p): n for n, p in layer._parameters.items() if p is not None}
+    return [by_id.get(id(p)) for p in layer._statnorm_params() if p is not None]
+
+
+@torch.library.custom_op('normdense::statnorm', mutates_args=())
+def statnorm(x: torch.Tensor, params: List[torch.Tensor], state: List[torch.Tensor], layer: str,
+             needs_grad: bool) -> Tuple[torch.Tensor, torch.Tensor, List[torch.Tensor]]:
+    """(y, ticket, new state) of the layer's eager Triton path on x; ``params`` the present (not None) ones of
+    its ``_statnorm_params()``, in order."""
+    from ._statnorm_triton import triton_forward
+    mod = _LAYERS[layer]
+    state = [b.clone() for b in state]  # written by the call, returned
+    keep = [] if needs_grad else None
+    with _swapped(mod, params, state):
+        y = triton_forward(mod, x, keep)
+    if y is None:
+        raise RuntimeError(f'{type(mod).__name__}: a Triton kernel failed to compile inside a torch.compile\'d '
+                           'model; set NORMDENSE_BACKEND=aten (docs/gpu.md)')
+    if not needs_grad:
+        return y, torch.zeros((), dtype=torch.int64), state
+    ticket = next(_TICKETS)
+    if len(_PENDING) >= _MAX_PENDING:
+        _PENDING.pop(next(iter(_PENDING)))
+    _PENDING[ticket] = (keep[0], mod.__dict__.get('_op_marks_iteration', False))
+    return y, torch.full((), ticket, dtype=torch.int64), state
+
+
+@statnorm.register_fake
+def _(x, params, state, layer, needs_grad):
+    mod = _LAYERS[layer]
+    out_dtype = mod._statnorm_dtypes(x)[1]
+    return (x.new_empty(x.shape, dtype=out_dtype), torch.empty((), dtype=torch.int64),
+            [torch.empty_like(b) for b in state])
+
+
+@torch.library.custom_op('normdense::statnorm_backward', mutates_args=())
+def statnorm_backward(ticket: torch.Tensor, dy: torch.Tensor, x: torch.Tensor,
+                      params: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The gradients of x and the present parameters of the forward ``ticket`` names, for dy."""
+    from ._statnorm_triton import backward_of
+    ctx, marks = _PENDING.pop(int(ticket))
+    dx, *dparams = backward_of(ctx, dy)
+    if marks:  # an estimate-mode layer: a backward through it ends the iteration (watch_estimate_call)
+        mark_iteration()
+    present = [d for d, p in zip(dparams, ctx.params) if p is not None]
+    return [dx.view(x.shape)] + [torch.zeros_like(p) if d is None else d for d, p in zip(present, params)]
+
+
+@statnorm_backward.register_fake
+def _(ticket, dy, x, params):
+    return [torch.empty_like(x)] + [torch.empty_like(p) for p in params]
+
+
+def _setup(ctx, inputs, output):
+    x, params, state, _, _ = inputs
+    ctx.n_state = len(state)
+    ctx.save_for_backward(output[1], x, *params)
+
+
+def _backward(ctx, dy, _dticket, _dstate):
+    ticket, x, *params = ctx.saved_tensors
+    grads = torch.ops.normdense.statnorm_backward(ticket, dy, x, params)
+    return grads[0], list(grads[1:]), [None] * ctx.n_state, None, None
+
+
+statnorm.register_autograd(_backward, setup_context=_setup)
+
+
+def compiled_call(layer, x):
+    """The layer's output on the Triton backend inside a torch.compile'd region: one operator call."""
+    params = [p for p in layer._statnorm_params() if p is not None]
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
+    if getattr(layer, 'mode', None) == 'estimate' and layer.training:
+        layer.__dict__['_op_marks_iteration'] = True  # watch_estimate_call: this operator's backward marks
+    state = state_of(layer)
+    y, _, new_state = torch.ops.normdense.statnorm(x, params, state, handle(layer), needs_grad)
+    with torch.no_grad():
+        for b, new in zip(state, new_state):
+            b.copy_(new)
+    return y
