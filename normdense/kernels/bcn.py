@@ -22,7 +22,7 @@ _TILE = 128  # elements of a program's (group, channel) tile: several programs a
 _MAX_PER_GROUP = 4096  # a whole group is one tile row (bounded registers on a GPU)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['N', 'C', 'G', 'PER'])
 def _bcn_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, b_ptr, a_ptr, bo_ptr,
                     N, C, G, PER, EPS: tl.constexpr, GROUP_AFFINE: tl.constexpr,
                     BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
@@ -56,7 +56,7 @@ def _bcn_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, b_pt
         tl.store(bo_ptr + off, s * d + b, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['N', 'C', 'G', 'PER'])
 def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_ptr, gb_ptr,
                     dm_ptr, dv_ptr, dmean_ptr, dvar_ptr, dbw_ptr, dbb_ptr, dw_ptr, db_ptr,
                     N, C, G, PER, EPS: tl.constexpr, GROUP_AFFINE: tl.constexpr, WANTS_STATS: tl.constexpr,

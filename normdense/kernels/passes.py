@@ -5,8 +5,9 @@ x is viewed as (R, L) rows, R = N * C, L positions. A pass runs on a grid of (ro
 takes one row and one chunk of CHUNK consecutive positions (a runtime integer, a multiple of BLOCK), loops
 over it in tiles of BLOCK, and loads x, dy in their own dtype, accumulating in float32 (float64 for float64
 inputs). Reductions write one partial per (split, row); the next kernel merges them in a fixed order
-(deterministic, no atomics). BLOCK depends on the dtype only and SPLIT is a grid size: a new image size
-never recompiles a kernel.
+(deterministic, no atomics). BLOCK depends on the dtype only, SPLIT is a grid size and the sizes are
+``do_not_specialize`` (no variant for a size divisible by 16 or equal to 1): a new image size or batch
+size never recompiles a kernel.
 
 Launches per training step of a layer: forward moments, stats, the layer's coefficients, apply (4);
 backward sums, [merge of the sums when split], the layer's coefficient VJP, dx (3-4): at most 8.
@@ -59,7 +60,7 @@ def split_for(rows: int, length: int, block: int):
 
 
 # --- forward ------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=['ROWS', 'L', 'CHUNK'])
 def _moments_kernel(x_ptr, part_ptr, ROWS, L, CHUNK, BLOCK: tl.constexpr, ACC: tl.constexpr):
     row = tl.program_id(0)
     s = tl.program_id(1)
@@ -105,7 +106,7 @@ def moment_partials(x3: torch.Tensor):
 STATS_NONE, STATS_FIXED, STATS_ESTIMATE, STATS_BATCH = 0, 1, 2, 3
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['N', 'C', 'L', 'CHUNK', 'SPLIT', 'WRITE'])
 def _stats_kernel(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat_var_ptr, base_ptr,
                   moved_ptr, upd_ptr, nbt_ptr, N, C, L, CHUNK, SPLIT, rate_hi, rate_lo, mom_hi, mom_lo, WRITE,
                   MODE: tl.constexpr, CUMULATIVE: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):
@@ -232,7 +233,7 @@ def stats(part, split, chunk, shape, mode=STATS_NONE, stat_mean=None, stat_var=N
     return m, v, mean, var, moved, upd
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['C', 'L', 'CHUNK', 'WRITE', 'INC'])
 def _apply_kernel(x_ptr, y_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, l_ptr, upd_ptr, rm_ptr, rv_ptr, nbt_ptr,
                   C, L, CHUNK, WRITE, INC, p0h, p0l, p1h, p1l, ACT: tl.constexpr, BLOCK: tl.constexpr,
                   ACC: tl.constexpr):
@@ -295,7 +296,7 @@ def apply(x3, m, v, coeffs, act=None, out_dtype=None, write=None, nbt=None):
 
 
 # --- backward -----------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=['ROWS', 'L', 'CHUNK'])
 def _sums_kernel(x_ptr, dy_ptr, part_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, ROWS, L, CHUNK, p0h, p0l, p1h,
                  p1l, ACT: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr):
     """Partial sums per (split, row) of g t and g (t = x - m, g = dy), and with an activation of g t, g,
@@ -338,7 +339,7 @@ def _sums_kernel(x_ptr, dy_ptr, part_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, ROW
         tl.store(out + 3 * ROWS, tl.sum(s3, 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['SIZE', 'SPLIT'])
 def _merge_kernel(part_ptr, out_ptr, SIZE, SPLIT, BLOCK: tl.constexpr):
     """out[i] = sum over the splits of part[s, i], in order (deterministic)."""
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -371,7 +372,7 @@ def sums(x3, dy, m, v, coeffs, act=None):
     return [t.view(n, c) for t in out.unbind(0)]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['C', 'L', 'CHUNK'])
 def _dx_kernel(x_ptr, dy_ptr, dx_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr, dv_ptr, gsum_ptr, mean_ptr,
                dmean_ptr, dvar_ptr, C, L, CHUNK, sc_h, sc_l, p0h, p0l, p1h, p1l, ACT: tl.constexpr, BATCH: tl.constexpr,
                BLOCK: tl.constexpr, ACC: tl.constexpr):

@@ -105,7 +105,7 @@ def _load_params(w_ptr, b_ptr, pb_ptr, pg_ptr, ch, mask, dt, AFFINE: tl.constexp
     return w, b, pb, pg
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['N', 'C', 'G', 'per', 'S'])
 def _coeff_map_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr, a_ptr, bb_ptr, k_ptr, l_ptr,
                       N, C, G, per, S, EPS: tl.constexpr, PROXY_EPS: tl.constexpr, ACT: tl.constexpr,
                       P0: tl.constexpr, P1: tl.constexpr, AFFINE: tl.constexpr, SCALING: tl.constexpr,
@@ -130,7 +130,7 @@ def _coeff_map_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr, a_ptr, 
         tl.store(l_ptr + off, l_, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['N', 'C', 'G', 'per', 'S'])
 def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
                       ga_ptr, gb_ptr, gk_ptr, gl_ptr, s_ga_n, s_ga_c, s_gb_n, s_gb_c, s_gk_n, s_gk_c, s_gl_n, s_gl_c,
                       dm_ptr, dv_ptr, dw_ptr, db_ptr, dpb_ptr, dpg_ptr,

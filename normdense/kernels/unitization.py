@@ -48,7 +48,7 @@ def _scalar(hi, lo, dt: tl.constexpr):
     return tl.cast(hi, dt) + tl.cast(lo, dt)  # floats reach the interpreter as Python floats: no .to()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['N', 'C'])
 def _coeff_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, b_ptr, a_ptr, bo_ptr, p_ptr, N, C,
                       eps_hi, eps_lo, k_hi, k_lo, f_hi, f_lo,
                       AFFINE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -97,7 +97,7 @@ def _coeff_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, b_ptr, 
         tl.store(bo_ptr + idx, b, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['N', 'C'])
 def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, p_ptr, ga_ptr, gb_ptr,
                       dm_ptr, de_ptr, dmean_ptr, dvar_ptr, dalpha_ptr, dw_ptr, db_ptr, N, C,
                       eps_hi, eps_lo, k_hi, k_lo, f_hi, f_lo,

@@ -19,6 +19,10 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
+# the size arguments: declared do_not_specialize, so a new image or batch size (divisible by 16 or not, 1 or
+# not) never makes Triton compile another variant
+SIZES = {'N', 'C', 'G', 'L', 'ROWS', 'CHUNK', 'SPLIT', 'SIZE', 'PER', 'per', 'S'}
+
 _TYPES = {torch.float32: 'fp32', torch.float64: 'fp64', torch.float16: 'fp16', torch.bfloat16: 'bf16',
           torch.int64: 'i64', torch.int32: 'i32', torch.bool: 'i1'}
 
@@ -81,6 +85,12 @@ def main():
     variants = record_variants([getattr(torch, d) for d in args.dtypes])
     target = GPUTarget('cuda', args.arch, 32)
     failed = 0
+    for name, _, _ in sorted(variants):
+        fn = variants[next(k for k in variants if k[0] == name)][0]
+        specialized = sorted(p.name for p in fn.params if p.name in SIZES and not p.do_not_specialize)
+        if specialized:
+            failed += 1
+            print(f'FAIL  {name}: size arguments {specialized} not do_not_specialize (a new size would recompile)')
     for (name, _, consts), (fn, signature, constexprs) in sorted(variants.items(), key=lambda kv: kv[0][0]):
         start = time.time()
         try:
