@@ -24,8 +24,7 @@ def pair(name, dtype=torch.float64, device='cpu'):
 @pytest.mark.parametrize('name', sorted(CASES))
 def test_triton_equals_aten_over_training_steps(device, name, split, monkeypatch):
     """float64: three training steps (HW 1 to 1001; the first and last with a layer shared by two inputs, an FPN
-    head), then eval;
-    the Triton kernels really ran (launches counted)."""
+    head), then eval; the Triton kernels really ran (launches counted)."""
     monkeypatch.setattr(P, 'FORCE_SPLIT', split)
     tri, aten = pair(name, device=device)
     for i, shapes in enumerate([[(3, C, 5, 6), (1, C, 1, 3)], [(2, C, 13, 17)], [(2, C, 1, 1), (1, C, 7, 143)]]):
