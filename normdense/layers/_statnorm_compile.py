@@ -22,7 +22,7 @@ from ._estimate import mark_iteration
 _LAYERS = weakref.WeakValueDictionary()  # handle -> layer
 _PENDING = {}  # ticket -> (y, inputs needing grad): the eager graphs awaiting their backward
 _TICKETS = itertools.count(1)
-_MAX_PENDING = 4096  # forwards whose backward never ran (e.g. an exception): the oldest are dropped
+_MAX_PENDING = 4096  # a safety net: forwards whose graph is alive without a backward, the oldest dropped
 
 
 @torch._dynamo.assume_constant_result  # run when traced (a weakref cannot be made in a graph): a constant
@@ -82,7 +82,10 @@ def statnorm(x: torch.Tensor, params: List[torch.Tensor], state: List[torch.Tens
     if len(_PENDING) >= _MAX_PENDING:
         _PENDING.pop(next(iter(_PENDING)))
     _PENDING[ticket] = (keep[0], mod.__dict__.get('_op_marks_iteration', False))
-    return y, torch.full((), ticket, dtype=torch.int64), state
+    held = torch.full((), ticket, dtype=torch.int64)
+    # the autograd graph keeps the ticket for the backward; a graph dropped without one frees what it holds
+    weakref.finalize(held, _PENDING.pop, ticket, None)
+    return y, held, state
 
 
 @statnorm.register_fake

@@ -49,3 +49,22 @@ def test_compiled_equals_eager(name, device):
     x = torch.randn(2, C, 4, 4, dtype=torch.float64, device=device)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), eager(x), rtol=1e-12, atol=1e-12)
+
+
+def test_forward_without_backward_frees_what_it_kept(device):
+    """A compiled training forward whose graph is dropped without a backward (e.g. a loss never used) does not
+    keep its activation: the operator's pending entry goes with the graph."""
+    import gc
+    from normdense.layers import _statnorm_compile as op
+    layer = triton_layer('bcn-batch').to(device)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend='aot_eager', fullgraph=True)
+    x = torch.randn(2, C, 5, 6, dtype=torch.float64, device=device, requires_grad=True)
+    before = len(op._PENDING)
+    y = compiled(x)
+    assert len(op._PENDING) == before + 1
+    del y
+    gc.collect()
+    assert len(op._PENDING) == before
+    compiled(x).sum().backward()  # and a graph with its backward runs it
+    assert len(op._PENDING) == before and x.grad is not None
