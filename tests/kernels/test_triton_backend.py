@@ -167,3 +167,26 @@ def test_self_check_triton_step(device, monkeypatch):
     monkeypatch.setattr(P, 'apply', lambda *a, **k: original(*a, **k) * 1.01)
     problem = triton_step_problem(device)
     assert problem.startswith('BCN estimate: the Triton kernels differ from the ATen backend on ') and '\n' not in problem
+
+
+def test_sync_stats_two_processes(tmp_path):
+    """Two gloo processes, ``sync_stats``: BCN batch / estimate and Unitization estimate on the Triton backend
+    equal the ATen backend on each rank over two steps (outputs, input and parameter gradients, buffers),
+    with a rank whose batch is empty on the reference path pairing its all-reduces with the kernels' rank."""
+    from tests.layers.two_ranks import run_two_ranks
+    ranks = run_two_ranks(tmp_path, 'tests.kernels.dist_triton_worker')
+    for r in ranks:
+        names = {key.split('/')[0] for key in r}
+        assert len(names) == 4
+        for name in names:
+            aten, tri = r[f'{name}/aten'], r[f'{name}/triton']
+            assert aten.pop('triton_launches') == 0
+            # >= 5 kernels a step: moments, stats, apply, sums, dx (synced batch statistics: torch maps)
+            assert tri.pop('triton_launches') >= (0 if name.endswith('empty') and r is ranks[0] else 10)
+            assert aten.keys() == tri.keys()
+            for key in aten:
+                torch.testing.assert_close(tri[key], aten[key], rtol=1e-10, atol=1e-10, msg=f'{name} {key}')
+    for key in ranks[0]:  # the statistics are identical across ranks
+        if key.endswith('/triton'):
+            for n in ('running_mean', 'running_var'):
+                torch.testing.assert_close(ranks[0][key][n], ranks[1][key][n], rtol=0, atol=0)
