@@ -103,6 +103,7 @@ def test_backend_choice(monkeypatch):
     monkeypatch.delenv(B.ENV, raising=False)
     assert B.selected_backend(layer, x) == 'aten'  # auto: Triton for CUDA tensors only
     monkeypatch.setenv(B.ENV, 'triton')
+    monkeypatch.setattr(B, 'interpreted', lambda: True)
     assert B.selected_backend(layer, x) == 'triton'  # under the interpreter, CPU tensors too
     monkeypatch.setattr(B, 'interpreted', lambda: False)
     with pytest.raises(RuntimeError, match="backend='triton' runs on CUDA tensors"):
@@ -169,11 +170,12 @@ def test_self_check_triton_step(device, monkeypatch):
     assert problem.startswith('BCN estimate: the Triton kernels differ from the ATen backend on ') and '\n' not in problem
 
 
-def test_sync_stats_two_processes(tmp_path):
+def test_sync_stats_two_processes(tmp_path, monkeypatch):
     """Two gloo processes, ``sync_stats``: BCN batch / estimate and Unitization estimate on the Triton backend
     equal the ATen backend on each rank over two steps (outputs, input and parameter gradients, buffers),
     with a rank whose batch is empty on the reference path pairing its all-reduces with the kernels' rank."""
     from tests.layers.two_ranks import run_two_ranks
+    monkeypatch.setenv('TRITON_INTERPRET', '1')  # the workers' CPU tensors, on a GPU machine too
     ranks = run_two_ranks(tmp_path, 'tests.kernels.dist_triton_worker')
     for r in ranks:
         names = {key.split('/')[0] for key in r}

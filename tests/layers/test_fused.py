@@ -60,7 +60,7 @@ def run(layer, xs, seed=1, ctx=contextlib.nullcontext):
     with ctx():
         outs = [layer(x) for x in xs]
     g = torch.Generator().manual_seed(seed)
-    sum((o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64)).sum() for o in outs).backward()
+    sum((o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device)).sum() for o in outs).backward()
     return dict(outs=[o.detach() for o in outs], xgrads=[x.grad for x in xs],
                 pgrads={n: p.grad.clone() for n, p in layer.named_parameters()},
                 buffers={n: b.clone() for n, b in layer.named_buffers()})
