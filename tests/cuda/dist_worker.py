@@ -1,5 +1,10 @@
 """Worker of tests/cuda/test_sync_stats.py: one rank of a two-process gloo group (CUDA tensors when
-device='cuda', both ranks on the same GPU)."""
+device='cuda', both ranks on the same GPU).
+
+    python -m tests.cuda.dist_worker RANK INIT_FILE OUT_DIR DEVICE
+"""
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -53,3 +58,7 @@ def run(rank, init_file, device, out_dir):
         torch.save(result, f'{out_dir}/rank{rank}.pth')
     finally:
         dist.destroy_process_group()
+
+
+if __name__ == '__main__':
+    run(int(sys.argv[1]), sys.argv[2], sys.argv[4], sys.argv[3])

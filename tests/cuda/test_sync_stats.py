@@ -3,9 +3,9 @@ with CUDA tensors), on the CPU the same test runs with CPU tensors. Each rank se
 different size); the synchronized result must equal one process seeing both batches."""
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.cuda import dist_worker
+from tests.layers.two_ranks import run_two_ranks
 
 # two spawned interpreters importing the stack take ~1 min on 2 shared CPU cores
 DEVICES = [pytest.param('cpu', id='cpu', marks=pytest.mark.slow),
@@ -14,8 +14,10 @@ DEVICES = [pytest.param('cpu', id='cpu', marks=pytest.mark.slow),
 
 @pytest.mark.parametrize('device', DEVICES)
 def test_sync_stats_two_processes_equal_one_process_on_both_batches(device, tmp_path):
-    mp.spawn(dist_worker.run, args=(str(tmp_path / 'init'), device, str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f'rank{r}.pth') for r in (0, 1)]
+    # two fresh interpreters (python -m, one OpenMP thread each, a timeout), as the layer tests' two-rank runs:
+    # with torch.multiprocessing.spawn a rank aborted in CI twice (SIGABRT, "terminate called without an
+    # active exception") in the full suite, never alone
+    ranks = run_two_ranks(tmp_path, 'tests.cuda.dist_worker', device)
     xs = [dist_worker.rank_input(r, 'cpu') for r in (0, 1)]
     split = dist_worker.BATCH[0]
     for name, ref in dist_worker.layers().items():

@@ -10,9 +10,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_two_ranks(tmp_path, module):
+def run_two_ranks(tmp_path, module, *extra):
+    """``extra``: arguments after OUT_DIR."""
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=ROOT)
-    procs = [subprocess.Popen([sys.executable, '-m', module, str(r), str(tmp_path / 'init'), str(tmp_path)],
+    procs = [subprocess.Popen([sys.executable, '-m', module, str(r), str(tmp_path / 'init'), str(tmp_path), *extra],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
     outputs = []
     for p in procs:
