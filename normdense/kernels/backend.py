@@ -44,9 +44,14 @@ def triton_error():
     return _STATE['triton'] or None
 
 
+def _choice(layer) -> str:
+    """The layer's option, else the environment's."""
+    return check_backend(getattr(layer, 'backend', None)) or env_backend()
+
+
 def selected_backend(layer, x) -> str:
     """'aten' or 'triton' for ``layer`` on input ``x``."""
-    choice = check_backend(getattr(layer, 'backend', None)) or env_backend()
+    choice = _choice(layer)
     if choice == 'aten' or not hasattr(layer, 'triton_coeff_map'):
         return 'aten'
     if choice == 'triton':
@@ -73,8 +78,7 @@ def compile_errors() -> tuple:
 
 def give_up_triton(layer, error) -> None:
     """Under ``auto``: ATen for the rest of the process, said once. A forced 'triton' re-raises."""
-    choice = getattr(layer, 'backend', None) or env_backend()
-    if choice == 'triton':
+    if _choice(layer) == 'triton':
         raise error
     if _STATE['broken'] is None:
         _STATE['broken'] = f'{type(error).__name__}: {error}'.splitlines()[0]

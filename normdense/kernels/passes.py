@@ -16,28 +16,16 @@ Moments per chunk: each tile's mean and centred sum of squares in registers (two
 one read of memory), merged into the chunk's with Chan et al.'s update; chunks merged likewise by the
 stats kernel. No E[x^2] - E[x]^2 anywhere.
 """
-import struct
-
 import torch
 import triton
 import triton.language as tl
 
 from .activations import act_forward, act_grad
+from .scalars import from_hi_lo, hi_lo
 
 ACT_NONE = -1  # y = A t + B, no activation
 
 _TARGET_PROGRAMS = 1024  # enough programs to fill an H100's 132 SMs several times over
-
-
-def hi_lo(value: float):
-    """``value`` as two float32 kernel arguments whose sum, formed in float64, is ``value`` to ~1e-14: Triton
-    passes Python floats as float32, too coarse for float64 inputs (a momentum of 0.1 off by 1.5e-9)."""
-    hi = _f32(value)
-    return hi, _f32(value - hi)
-
-
-def _f32(value: float) -> float:
-    return struct.unpack('f', struct.pack('f', value))[0]  # on the host: no tensor, no operator
 
 
 def acc_dtype(dtype: torch.dtype):
@@ -57,6 +45,12 @@ def split_for(rows: int, length: int, block: int):
     split = max(1, min(tiles, FORCE_SPLIT or triton.cdiv(_TARGET_PROGRAMS, max(rows, 1))))
     chunk = triton.cdiv(tiles, split) * block
     return triton.cdiv(length, chunk), chunk
+
+
+def layout(x3: torch.Tensor):
+    """(BLOCK, SPLIT, CHUNK) of every pass over x3 (N, C, L)."""
+    block = block_for(x3.dtype)
+    return (block, ) + split_for(x3.shape[0] * x3.shape[1], x3.shape[2], block)
 
 
 # --- forward ------------------------------------------------------------------------------------------------
@@ -95,8 +89,7 @@ def moment_partials(x3: torch.Tensor):
     """(partials (SPLIT, 2, N*C): each chunk's mean and centred sum of squares; SPLIT; CHUNK) of x3 (N, C, L)."""
     n, c, length = x3.shape
     rows = n * c
-    block = block_for(x3.dtype)
-    split, chunk = split_for(rows, length, block)
+    block, split, chunk = layout(x3)
     acc = torch.float64 if x3.dtype == torch.float64 else torch.float32
     part = torch.empty(split, 2, rows, dtype=acc, device=x3.device)
     _moments_kernel[(rows, split)](x3, part, rows, length, chunk, BLOCK=block, ACC=acc_dtype(x3.dtype))
@@ -127,7 +120,7 @@ def _stats_kernel(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat
     cm = ch < C
     ROWS = N * C
     Lf = L.to(ACC)
-    rate = tl.cast(rate_hi, ACC) + tl.cast(rate_lo, ACC)
+    rate = from_hi_lo(rate_hi, rate_lo, ACC)
     if MODE == 2:
         bm = tl.load(stat_mean_ptr + ch, mask=cm, other=0.0).to(ACC)
         bv = tl.load(stat_var_ptr + ch, mask=cm, other=0.0).to(ACC)
@@ -197,7 +190,7 @@ def _stats_kernel(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat
                 tl.store(upd_ptr + ch, rm + (bmean - rm) / tracked, mask=cm)
                 tl.store(upd_ptr + C + ch, rv + (unbiased - rv) / tracked, mask=cm)
             else:
-                w = tl.cast(mom_hi, ACC) + tl.cast(mom_lo, ACC)
+                w = from_hi_lo(mom_hi, mom_lo, ACC)
                 tl.store(upd_ptr + ch, rm + w * (bmean - rm), mask=cm)
                 tl.store(upd_ptr + C + ch, rv + w * (unbiased - rv), mask=cm)
 
@@ -248,8 +241,8 @@ def _apply_kernel(x_ptr, y_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, l_ptr, upd_pt
     m = tl.load(m_ptr + row).to(ACC)
     a = tl.where(tl.load(v_ptr + row) > 0, tl.load(a_ptr + row).to(ACC), 0.0)
     b = tl.load(b_ptr + row).to(ACC)
-    p0 = tl.cast(p0h, ACC) + tl.cast(p0l, ACC)
-    p1 = tl.cast(p1h, ACC) + tl.cast(p1l, ACC)
+    p0 = from_hi_lo(p0h, p0l, ACC)
+    p1 = from_hi_lo(p1h, p1l, ACC)
     if ACT >= 0:
         kk = tl.load(k_ptr + row).to(ACC)
         ll = tl.load(l_ptr + row).to(ACC)
@@ -284,8 +277,7 @@ def apply(x3, m, v, coeffs, act=None, out_dtype=None, write=None, nbt=None):
     n, c, length = x3.shape
     act_id, p0, p1 = _act(act)
     y = torch.empty(x3.shape, dtype=out_dtype or x3.dtype, device=x3.device)
-    block = block_for(x3.dtype)
-    split, chunk = split_for(n * c, length, block)
+    block, split, chunk = layout(x3)
     a, b = coeffs[0], coeffs[1]
     k, l_ = (coeffs[2], coeffs[3]) if act_id >= 0 else (a, b)
     upd, rm, rv = write if write is not None else (m, m, m)
@@ -307,8 +299,8 @@ def _sums_kernel(x_ptr, dy_ptr, part_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, ROW
     start = s * CHUNK
     end = tl.minimum(start + CHUNK, L)
     m = tl.load(m_ptr + row).to(ACC)
-    p0 = tl.cast(p0h, ACC) + tl.cast(p0l, ACC)
-    p1 = tl.cast(p1h, ACC) + tl.cast(p1l, ACC)
+    p0 = from_hi_lo(p0h, p0l, ACC)
+    p1 = from_hi_lo(p1h, p1l, ACC)
     offs = row.to(tl.int64) * L
     cols = tl.arange(0, BLOCK)
     s0 = tl.zeros([BLOCK], ACC)
@@ -356,8 +348,7 @@ def sums(x3, dy, m, v, coeffs, act=None):
     n, c, length = x3.shape
     act_id, p0, p1 = _act(act)
     count = 2 if act_id < 0 else 4
-    block = block_for(x3.dtype)
-    split, chunk = split_for(n * c, length, block)
+    block, split, chunk = layout(x3)
     part = torch.empty(split, count, n * c, dtype=m.dtype, device=x3.device)
     a, b = coeffs[0], coeffs[1]
     k = coeffs[2] if act_id >= 0 else a
@@ -384,9 +375,9 @@ def _dx_kernel(x_ptr, dy_ptr, dx_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr,
     start = s * CHUNK
     end = tl.minimum(start + CHUNK, L)
     Lf = L.to(ACC)
-    scale = tl.cast(sc_h, ACC) + tl.cast(sc_l, ACC)
-    p0 = tl.cast(p0h, ACC) + tl.cast(p0l, ACC)
-    p1 = tl.cast(p1h, ACC) + tl.cast(p1l, ACC)
+    scale = from_hi_lo(sc_h, sc_l, ACC)
+    p0 = from_hi_lo(p0h, p0l, ACC)
+    p1 = from_hi_lo(p1h, p1l, ACC)
     m = tl.load(m_ptr + row).to(ACC)
     live = tl.load(v_ptr + row) > 0
     a = tl.where(live, tl.load(a_ptr + row).to(ACC), 0.0)
@@ -424,8 +415,7 @@ def dx(x3, dy, m, v, coeffs, dm, dv, gsum, act=None, batch=None):
     n, c, length = x3.shape
     act_id, p0, p1 = _act(act)
     out = torch.empty_like(x3)
-    block = block_for(x3.dtype)
-    split, chunk = split_for(n * c, length, block)
+    block, split, chunk = layout(x3)
     a, b = coeffs[0], coeffs[1]
     k = coeffs[2] if act_id >= 0 else a
     mean, dmean, dvar, scale = batch if batch is not None else (m, m, m, 0.0)

@@ -20,11 +20,11 @@ per block of channels, which first sums its samples' d p terms over all channels
 program: no second launch, no atomics) and then owns its channels' outputs and sums over N, so the result is
 deterministic. Register tiles are [BLOCK_N, BLOCK_C] <= 1024 elements, block sizes keyed on C only.
 """
-import struct
-
 import torch
 import triton
 import triton.language as tl
+
+from .scalars import from_hi_lo, hi_lo
 
 
 def _blocks(channels: int):
@@ -33,29 +33,14 @@ def _blocks(channels: int):
     return min(16, 1024 // block_c), block_c
 
 
-def _fp32(x: float) -> float:
-    return struct.unpack('f', struct.pack('f', x))[0]
-
-
-def _split(x: float):
-    """x as fp32 hi + lo (the kernels' float arguments are fp32): hi + lo == x to ~2^-48 relative."""
-    hi = _fp32(x)
-    return hi, _fp32(x - hi)
-
-
-@triton.jit
-def _scalar(hi, lo, dt: tl.constexpr):
-    return tl.cast(hi, dt) + tl.cast(lo, dt)  # floats reach the interpreter as Python floats: no .to()
-
-
 @triton.jit(do_not_specialize=['N', 'C'])
 def _coeff_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, b_ptr, a_ptr, bo_ptr, p_ptr, N, C,
                       eps_hi, eps_lo, k_hi, k_lo, f_hi, f_lo,
                       AFFINE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     dt = m_ptr.dtype.element_ty
-    eps = _scalar(eps_hi, eps_lo, dt)
-    k = _scalar(k_hi, k_lo, dt)
-    f = _scalar(f_hi, f_lo, dt)
+    eps = from_hi_lo(eps_hi, eps_lo, dt)
+    k = from_hi_lo(k_hi, k_lo, dt)
+    f = from_hi_lo(f_hi, f_lo, dt)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     cols0 = tl.arange(0, BLOCK_C)
@@ -104,9 +89,9 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, p_ptr, 
                       AFFINE: tl.constexpr, WANTS_STATS: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     dt = m_ptr.dtype.element_ty
-    eps = _scalar(eps_hi, eps_lo, dt)
-    k = _scalar(k_hi, k_lo, dt)
-    f = _scalar(f_hi, f_lo, dt)
+    eps = from_hi_lo(eps_hi, eps_lo, dt)
+    k = from_hi_lo(k_hi, k_lo, dt)
+    f = from_hi_lo(f_hi, f_lo, dt)
     rows0 = tl.arange(0, BLOCK_N)
     cols0 = tl.arange(0, BLOCK_C)
     # this program's channels
@@ -203,7 +188,7 @@ def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None,
     b_out = torch.empty_like(m)
     p = m.new_empty(N)
     scalars = _scalars(eps, positions, count, n, norm_divisor, var_correction)
-    split = [h for s in scalars for h in _split(s)]
+    split = [h for s in scalars for h in hi_lo(s)]
     block_n, block_c = _blocks(C)
     _coeff_map_kernel[(triton.cdiv(N, block_n),)](
         m, v, mean, var, alpha, w if affine else alpha, b if affine else alpha, a, b_out, p, N, C, *split,

@@ -252,8 +252,8 @@ class EstimateRateMixin:
         return st
 
     def _record_call(self, st: _Iteration, moments: torch.Tensor, count: int) -> None:
-        """After a call whose kernel computed this call's moments (2, C) and, as the iteration's first call, set
-        the buffers: the iteration's running total, and the buffers of a later call (as _local_estimates)."""
+        """After a call with moments (2, C) over ``count`` values whose buffers, as the iteration's first call,
+        are set already: the iteration's running total, and for a later call the buffers moved towards it."""
         if st.total is None:
             st.total = (moments, count)
             return
@@ -271,14 +271,10 @@ class EstimateRateMixin:
         base = st.base.to(moments.dtype)
         call = torch.lerp(base, moments, st.rate) if count else base
         if count and not in_backward():
-            if st.total is None:
-                st.total, moved = (moments, count), call
-            else:
-                total, n = st.total
-                st.total = (torch.lerp(total.to(moments.dtype), moments, count / (n + count)), n + count)
-                moved = torch.lerp(base, st.total[0], st.rate)
-            self.running_mean.copy_(moved[0])
-            self.running_var.copy_(moved[1])
+            if st.total is None:  # the iteration's first call: the buffers take its estimates
+                self.running_mean.copy_(call[0])
+                self.running_var.copy_(call[1])
+            self._record_call(st, moments, count)
         return call[0], call[1]
 
     def _estimates_for_call(self, st: _Iteration, mean_b, second, count):

@@ -20,7 +20,8 @@ import torch
 from ._estimate import mark_iteration
 
 _LAYERS = weakref.WeakValueDictionary()  # handle -> layer
-_PENDING = {}  # ticket -> (y, inputs needing grad): the eager graphs awaiting their backward
+_PENDING = {}  # ticket -> (the eager path's backward state, whether it ends an iteration)
+_STATE = ('running_mean', 'running_var', 'num_batches_tracked')  # the buffers a call may write
 _TICKETS = itertools.count(1)
 _MAX_PENDING = 4096  # a safety net: forwards whose graph is alive without a backward, the oldest dropped
 
@@ -32,16 +33,19 @@ def handle(layer) -> str:
     return key
 
 
+def _state_names(layer):
+    return [n for n in _STATE if layer._buffers.get(n) is not None]
+
+
 def state_of(layer) -> List[torch.Tensor]:
-    return [b for b in (layer._buffers.get(n) for n in ('running_mean', 'running_var', 'num_batches_tracked'))
-            if b is not None]
+    return [layer._buffers[n] for n in _state_names(layer)]
 
 
 @contextlib.contextmanager
 def _swapped(layer, params, state):
     """The layer reads ``params`` and writes ``state`` (the operator's arguments, which functionalization may
     have copied) instead of its own parameters and buffers, for the length of the call."""
-    names = [n for n in ('running_mean', 'running_var', 'num_batches_tracked') if layer._buffers.get(n) is not None]
+    names = _state_names(layer)
     p_names = _param_names(layer)
     saved_p = {n: layer._parameters[n] for n in p_names}
     saved_b = {n: layer._buffers[n] for n in names}

@@ -135,10 +135,14 @@ def backward_of(ctx, dy):
     """(dx, *dparams) of a forward run with ``keep`` (dparams aligned with ``_statnorm_params()``)."""
     x3, = ctx.saved_tensors
     with torch.autocast(x3.device.type, enabled=False):
-        dy = dy.reshape(x3.shape)
-        dy = (dy if dy.dtype == x3.dtype else dy.to(x3.dtype)).contiguous()
-        out = _backward(ctx, x3, dy)
+        out = _backward(ctx, x3, _like(dy, x3))
     return (out[0], ) + tuple(out[8:])
+
+
+def _like(dy, x3):
+    """dy as the passes read it: x3's shape and dtype, contiguous (it may be expanded: the grad of a sum)."""
+    dy = dy.reshape(x3.shape)
+    return (dy if dy.dtype == x3.dtype else dy.to(x3.dtype)).contiguous()
 
 
 class _TritonStatNormFn(torch.autograd.Function):
@@ -153,8 +157,7 @@ class _TritonStatNormFn(torch.autograd.Function):
     def backward(ctx, dy):
         x3, = ctx.saved_tensors
         with torch.autocast(x3.device.type, enabled=False):
-            dy = dy.reshape(x3.shape)
-            dy = (dy if dy.dtype == x3.dtype else dy.to(x3.dtype)).contiguous()
+            dy = _like(dy, x3)
             try:
                 return _backward(ctx, x3, dy)
             except _backend.compile_errors() as e:
