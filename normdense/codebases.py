@@ -52,9 +52,34 @@ def require(package: str, needed_by: str):
         raise MmcvOpsError(f'{needed_by} imports {package}, but {problem}') from e
 
 
+def config_path(name: str) -> str:
+    """A config file from a path or a packaged name: ``mmdet::retinanet/retinanet_r50_fpn_1x_coco.py``
+    (``mmseg::``, ``mmpretrain::``) is resolved by mmengine's own rule for ``_base_`` names (the package's
+    ``.mim/configs``). ``FileNotFoundError`` (one line) when there is no such file; a codebase that is not
+    installed: :class:`MissingCodebase`."""
+    import os.path as osp
+    if '::' not in name:
+        if not osp.isfile(name):
+            raise FileNotFoundError(f'config file not found: {name}')
+        return name
+    from mmengine.config.utils import _get_external_cfg_base_path, _get_package_and_cfg_path
+    from mmengine.utils import get_installed_path
+    package = name.split('::', 1)[0]
+    if package in CODEBASES and not is_installed(package):
+        raise MissingCodebase(missing_message(package, f'config {name}'))
+    try:
+        package, relative = _get_package_and_cfg_path(name)
+        return _get_external_cfg_base_path(get_installed_path(package), relative)
+    except (FileNotFoundError, ValueError) as e:
+        raise FileNotFoundError(f"config {name}: {e} (names are '<package>::<folder>/<file>.py' under the "
+                                "package's .mim/configs, as in a config's _base_)") from None
+
+
 def read_config(path: str) -> Config:
-    """``Config.fromfile``, with a one-line :class:`MissingCodebase` when a ``mmseg::...``-style base of
-    the config (or of its bases) belongs to a codebase that is not installed."""
+    """``Config.fromfile`` of a path or a ``mmdet::...`` name (:func:`config_path`), with a one-line
+    :class:`MissingCodebase` when a ``mmseg::...``-style base of the config (or of its bases) belongs to a
+    codebase that is not installed."""
+    path = config_path(path)
     try:
         with warnings.catch_warnings():  # setuptools 67-80 warn on every `import pkg_resources` (mmengine's)
             warnings.filterwarnings('ignore', message='pkg_resources is deprecated', category=UserWarning)

@@ -19,16 +19,14 @@ SUPPORTED_SCOPES = ('mmdet', 'mmseg', 'mmpretrain', 'mmengine')
 def load_config(config, cfg_options=None, launcher='none', work_dir=None):
     """Read a config, apply ``--cfg-options`` and ``--launcher``, pick the work dir (the argument, else
     the config's, else ``./work_dirs/<config name>``), and import the config's codebase."""
-    if not osp.isfile(config):
-        raise FileNotFoundError(f'config file not found: {config}')
-    cfg = codebases.read_config(config)  # a missing codebase: one line naming the extra
+    cfg = codebases.read_config(config)  # a path or an mmdet::/mmseg::/mmpretrain:: name; one-line errors
     cfg.launcher = launcher
     if cfg_options:
         cfg.merge_from_dict(cfg_options)
     if work_dir is not None:
         cfg.work_dir = work_dir
     elif cfg.get('work_dir') is None:
-        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(config))[0])
+        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(config.split('::')[-1]))[0])
     scope = codebase_of(cfg)
     if scope == 'mmdet':
         from mmdet.utils import setup_cache_size_limit_of_dynamo
@@ -272,7 +270,8 @@ def train_arg_parser():
     import argparse
     p = argparse.ArgumentParser(description='Train a model (mmdet / mmseg / mmpretrain config, picked from its '
                                             'default_scope) with normdense layers')
-    p.add_argument('config', help='train config file path')
+    p.add_argument('config', help='train config: a file, or a packaged name such as '
+                                   'mmdet::retinanet/retinanet_r50_fpn_1x_coco.py')
     p.add_argument('--work-dir', help='the dir to save logs and models')
     p.add_argument('--amp', action='store_true', default=False, help='enable automatic-mixed-precision training')
     p.add_argument('--auto-scale-lr', action='store_true',
@@ -294,7 +293,7 @@ def test_arg_parser():
     import argparse
     p = argparse.ArgumentParser(description='Test (and evaluate) a model: COCO AP for mmdet configs, mIoU for '
                                             'mmseg, accuracy for mmpretrain')
-    p.add_argument('config', help='test config file path')
+    p.add_argument('config', help='test config: a file, or a packaged name (mmdet::..., mmseg::..., mmpretrain::...)')
     p.add_argument('checkpoint', help='checkpoint: a local file, https://..., open-mmlab://... or torchvision://...')
     p.add_argument('--work-dir', help='the dir to save logs and the evaluation metrics')
     p.add_argument('--out', help='mmdet / mmpretrain: dump the raw predictions to this .pkl file; mmseg: save '

@@ -46,6 +46,7 @@ import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .layers.bcn import BatchChannelNorm2d, copy_norm_into_bcn
+from .layers.groups import GroupNorm
 from .layers.iternorm import IterNorm
 from .layers.proxy_norm import GroupProxyNorm
 from .layers.unitization import Unitization2d
@@ -269,7 +270,7 @@ def convert_model(model: nn.Module, norm=None, conv=None, include: Pattern = Non
             report.add(name, kind, note='not included')
         elif excluded(name, m):
             report.add(name, kind, note='excluded')
-        elif is_norm and (isinstance(m, (nn.BatchNorm2d, nn.SyncBatchNorm)) or type(m) is nn.GroupNorm):
+        elif is_norm and (isinstance(m, (nn.BatchNorm2d, nn.SyncBatchNorm)) or type(m) in (nn.GroupNorm, GroupNorm)):
             targets.append((name, m, 'norm'))
         elif type(m) is nn.Conv2d:
             nxt = leaves[i + 1][1] if i + 1 < len(leaves) else None

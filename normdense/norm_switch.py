@@ -38,6 +38,8 @@ import inspect
 import logging
 from typing import List, Optional
 
+from .layers.groups import AUTO, POLICY, _is_int
+
 CHOICES = ('bn', 'gn', 'gn-ws', 'bcn-ws', 'gn-pn', 'iternorm', 'unitization')
 _WS = dict(type='WSConv2d')
 _PN_BACKBONES = {'ResNet': 'PNResNet', 'ResNetV1c': 'PNResNetV1c', 'mmdet.ResNet': 'PNResNet',
@@ -47,15 +49,17 @@ _RATE_HOOKS = ('EstimateRateHook', 'BCNRateHook')
 _COMPONENT_SUFFIXES = ('backbone', 'neck', 'head')
 
 
-def norm_layers(name: str, num_groups: int = 32):
-    """(norm_cfg, conv_cfg, hooks) of a switch name."""
-    gn = dict(type='GN', num_groups=num_groups, requires_grad=True)
+def norm_layers(name: str, num_groups='auto', channels_per_group=None):
+    """(norm_cfg, conv_cfg, hooks) of a switch name. The group norms take the group policy of
+    ``normdense/layers/groups.py``: ``'auto'`` fits each layer's channel count when it is built."""
+    groups = dict(channels_per_group=channels_per_group) if channels_per_group else dict(num_groups=num_groups)
+    gn = dict(type='GNAuto', **groups, requires_grad=True)
     table = {
         'bn': (dict(type='BN', requires_grad=True), None, []),
         'gn': (gn, None, []),
         'gn-ws': (gn, _WS, []),
-        'bcn-ws': (dict(type='BCN', num_groups=num_groups, mode='estimate'), _WS, ['EstimateRateHook']),
-        'gn-pn': (gn, None, ['ProxyNormCheckHook']),  # the backbone gets GNPN in a PNResNet (see _switch_slot)
+        'bcn-ws': (dict(type='BCN', **groups, mode='estimate'), _WS, ['EstimateRateHook']),
+        'gn-pn': (gn, None, ['ProxyNormCheckHook']),  # the backbone gets GNPN in a PNResNet (see switch_norm)
         'iternorm': (dict(type='IterNorm', group_size=64, T=5), None, []),
         'unitization': (dict(type='Unitization', mode='estimate', requires_grad=True), None, ['EstimateRateHook']),
     }
@@ -65,20 +69,32 @@ def norm_layers(name: str, num_groups: int = 32):
 
 
 def parse_spec(spec) -> dict:
-    """``'bcn-ws'`` or ``dict(norm='bcn-ws', num_groups=32, exclude=[...], convert=False)`` -> a full dict."""
+    """``'bcn-ws'`` or ``dict(norm='bcn-ws', num_groups='auto', channels_per_group=None, exclude=[...],
+    convert=False)`` -> a full dict. ``num_groups``: ``'auto'`` (default) or an exact int;
+    ``channels_per_group``: the GN paper's other form (layers/groups.py)."""
     if isinstance(spec, str):
         spec = dict(norm=spec)
     spec = dict(spec)
-    unknown = set(spec) - {'norm', 'num_groups', 'exclude', 'convert'}
+    unknown = set(spec) - {'norm', 'num_groups', 'channels_per_group', 'exclude', 'convert'}
     if unknown or 'norm' not in spec:
-        raise ValueError(f'normdense_norm: expected a name or dict(norm=..., num_groups=32, exclude=[...], '
-                         f'convert=False), got keys {sorted(spec)}')
-    spec.setdefault('num_groups', 32)
+        raise ValueError(f"normdense_norm: expected a name or dict(norm=..., num_groups='auto', channels_per_group=None, "
+                         f'exclude=[...], convert=False), got keys {sorted(spec)}')
+    spec.setdefault('num_groups', AUTO)
+    spec.setdefault('channels_per_group', None)
+    groups, per_group = spec['num_groups'], spec['channels_per_group']
+    if not (groups == AUTO or (_is_int(groups) and groups > 0)):
+        raise ValueError(f"normdense_norm: num_groups must be 'auto' or a positive int, got {groups!r}")
+    if per_group is not None and (groups != AUTO or not _is_int(per_group) or per_group <= 0):
+        raise ValueError(f'normdense_norm: channels_per_group must be a positive int and comes instead of '
+                         f'num_groups, got channels_per_group={per_group!r}, num_groups={groups!r}')
     exclude = spec.get('exclude') or []
     spec['exclude'] = [exclude] if isinstance(exclude, str) else list(exclude)
     spec.setdefault('convert', False)
     norm_layers(spec['norm'])  # the one-line error for an unknown name
     return spec
+
+
+_POLICY_WORDS = {AUTO: POLICY.split(' or ')[0]}
 
 
 class SwitchReport:
@@ -91,6 +107,7 @@ class SwitchReport:
         self.left: List[tuple] = []
         self.notes: List[str] = []
         self.census: Optional[dict] = None
+        self.groups: dict = {}  # policy -> {(channels, groups): number of layers}, once the model is built
         self.conversion = None
 
     def table(self) -> str:
@@ -100,6 +117,9 @@ class SwitchReport:
         lines += [f'  {s:<{width}}  {t:<28}  {w}' for s, t, w in self.switched]
         lines += [f'  {s:<{width}}  {t:<28}  left: {w}' for s, t, w in self.left]
         lines += [f'  note: {n}' for n in self.notes]
+        for policy, choices in sorted(self.groups.items()):
+            picked = ', '.join(f'{c}->{g} x{n}' for (c, g), n in sorted(choices.items()))
+            lines.append(f'  groups ({_POLICY_WORDS.get(policy, policy)}; channels->groups x layers): {picked}')
         if self.census is not None:
             counts = sorted(self.census.items())
             lines.append('  built model: ' + ', '.join(f'{name} x{count}' for name, count in counts))
@@ -156,18 +176,49 @@ def _excluded(path: str, patterns) -> bool:
     return any(fnmatch.fnmatchcase(p, pat) for p in prefixes for pat in patterns)
 
 
-def _walk(node, path):
-    """Module dicts (with a ``type``) under ``node``: (path, dict), parents first."""
+def _walk(node, path, partial=False):
+    """Module dicts (with a ``type``) under ``node``: (path, dict, partial), parents first. ``partial``: the
+    dict sits under a ``*cfg`` key (``upsample_cfg``, ``backbone_cfg``, ``plugins[i].cfg``), a config its
+    parent completes with its own arguments (UNet builds ``upsample_cfg`` passing its ``norm_cfg``)."""
     if isinstance(node, dict):
         if 'type' in node:
-            yield path, node
+            yield path, node, partial
         for key, value in node.items():
             if key in ('init_cfg', 'train_cfg', 'test_cfg', 'data_preprocessor'):
                 continue
-            yield from _walk(value, f'{path}.{key}' if path else key)
+            yield from _walk(value, f'{path}.{key}' if path else key, str(key).endswith('cfg'))
     elif isinstance(node, (list, tuple)):
         for i, value in enumerate(node):
-            yield from _walk(value, f'{path}[{i}]')
+            yield from _walk(value, f'{path}[{i}]', partial)
+
+
+def _groups(spec) -> dict:
+    if spec['channels_per_group'] is not None:
+        return dict(channels_per_group=spec['channels_per_group'])
+    return dict(num_groups=spec['num_groups'])
+
+
+# the switch names that configs/imagenet/ has a pretraining config for (docs/pretraining.md)
+_PRETRAIN_NORMS = ('gn', 'gn-ws', 'bcn-ws', 'gn-pn', 'iternorm')
+
+
+def matching_weights(norm: str, backbone: dict) -> str:
+    """Which normdense pretraining config or conversion gives weights that fit ``backbone`` switched to
+    ``norm``, by name (docs/pretraining.md)."""
+    kind = str(backbone.get('type', '')).split('.')[-1]
+    depth = backbone.get('depth')
+    arch = {'ResNet': f'resnet{depth}', 'ResNetV1c': f'resnet{depth}-v1c', 'PNResNet': f'resnet{depth}',
+            'PNResNetV1c': f'resnet{depth}-v1c'}.get(kind)
+    # the torchvision converter makes BCN+WS (only) from a BN ResNet: a starting point, not an equivalent
+    convert = ('; or, as a starting point from BN weights, tools/convert_checkpoint.py SRC.pth DST.pth '
+               '--to {mmdet,mmseg} --from torchvision --norm bcn' if norm == 'bcn-ws' and kind == 'ResNet' else '')
+    if arch is None or depth not in (50, 101) or norm not in _PRETRAIN_NORMS:
+        return (f'normdense has no ImageNet config for a {kind} with {norm}: pretrain one with the norm switch on an '
+                f'mmpretrain config, then tools/convert_checkpoint.py --from mmpretrain' + convert)
+    name = f'{arch}_{norm}_in1k'
+    return (f'matching weights: pretrain configs/imagenet/{name}.py, then tools/convert_checkpoint.py '
+            f'work_dirs/{name}/epoch_90.pth checkpoints/{name}.pth --to {{mmdet,mmseg}} and load it with '
+            f"init_cfg=dict(type='PretrainedBackbone', checkpoint='checkpoints/{name}.pth')" + convert)
 
 
 def _describe(node, key):
@@ -181,15 +232,16 @@ def switch_norm(cfg, spec, verbose: bool = False) -> SwitchReport:
     :func:`parse_spec`) and add the hooks, imports and optimizer settings it needs, in place. Idempotent.
     Returns the :class:`SwitchReport` of the config part (printed with ``verbose``)."""
     spec = parse_spec(spec)
-    norm_cfg, conv_cfg, hooks = norm_layers(spec['norm'], spec['num_groups'])
+    norm_cfg, conv_cfg, hooks = norm_layers(spec['norm'], spec['num_groups'], spec['channels_per_group'])
     report = SwitchReport(spec['norm'])
     registry = _registry(cfg.get('default_scope') or 'mmengine')
-    for path, node in list(_walk(cfg.model, '')):
+    for path, node, partial in list(_walk(cfg.model, '')):
         slot = f'model.{path}' if path else 'model'
         cls = _module_class(registry, node['type'])
         if cls is None:
             continue
-        has_norm = 'norm_cfg' in node or _accepts(cls, 'norm_cfg')
+        # a partial config takes what its parent passes: switched only where it writes a norm_cfg itself
+        has_norm = 'norm_cfg' in node or (not partial and _accepts(cls, 'norm_cfg'))
         component = path.split('.')[-1].split('[')[0].endswith(_COMPONENT_SUFFIXES)
         if not has_norm:
             if component:
@@ -203,24 +255,24 @@ def switch_norm(cfg, spec, verbose: bool = False) -> SwitchReport:
         if spec['norm'] == 'gn-pn' and path == 'backbone':
             if node['type'] in _PN_BACKBONES:
                 node['type'] = _PN_BACKBONES[node['type']]
-                norm = dict(type='GNPN', num_groups=spec['num_groups'])
+                norm = dict(type='GNPN', **_groups(spec))
             else:
                 report.notes.append(f"gn-pn: the backbone {node['type']} is not a ResNet/ResNetV1c, which PNResNet "
                                     'replaces: it gets GN without PN')
         node['norm_cfg'] = norm
-        if 'conv_cfg' in node or _accepts(cls, 'conv_cfg'):
+        if 'conv_cfg' in node or (not partial and _accepts(cls, 'conv_cfg')):
             node['conv_cfg'] = conv
-        if spec['norm'] != 'bn' and ('norm_eval' in node or _accepts(cls, 'norm_eval')):
+        if spec['norm'] != 'bn' and ('norm_eval' in node or (not partial and _accepts(cls, 'norm_eval'))):
             node['norm_eval'] = False
         after = f"{_describe(node, 'norm_cfg')}/{_describe(node, 'conv_cfg')}"
         report.switched.append((slot, str(node['type']), f'norm/conv {before} -> {after}'))
         init = node.get('init_cfg') or {}
         checkpoint = init.get('checkpoint') if isinstance(init, dict) and init.get('type') == 'Pretrained' else None
         checkpoint = checkpoint or (cfg.model.get('pretrained') if path == 'backbone' else None)
-        if path == 'backbone' and checkpoint and spec['norm'] != 'bn':
+        if path == 'backbone' and checkpoint and spec['norm'] != 'bn' and init.get('type') != 'PretrainedBackbone':
             report.notes.append(f"the backbone loads {checkpoint}, a BN-trained checkpoint: its norm parameters do not "
-                                'fit the new layers (docs/pretraining.md: convert or pretrain one; or init_cfg=None '
-                                'and pretrained=None to train from scratch)')
+                                f"fit the new layers; {matching_weights(spec['norm'], node)} (docs/pretraining.md; "
+                                'or init_cfg=None and pretrained=None to train from scratch)')
     # a container whose sub-heads were switched (CascadeRoIHead) is not 'left'
     report.left = [r for r in report.left if r[2] == 'excluded' or
                    not any(s[0].startswith(r[0] + '.') for s in report.switched)]
@@ -259,7 +311,7 @@ def finish_model(model, spec, report: SwitchReport):
     reach. Returns the model (converted in place)."""
     from .model_convert import convert_model, model_census
     spec = parse_spec(spec)
-    norm_cfg, conv_cfg, _ = norm_layers(spec['norm'], spec['num_groups'])
+    norm_cfg, conv_cfg, _ = norm_layers(spec['norm'], spec['num_groups'], spec['channels_per_group'])
     exclude = [p.replace('[', '.').replace(']', '') for p in spec['exclude']]
     converted = convert_model(model, norm=norm_cfg, conv=conv_cfg, exclude=exclude or None, verbose=False,
                               dry_run=not spec['convert'])
@@ -267,11 +319,26 @@ def finish_model(model, spec, report: SwitchReport):
     report.conversion.title = ('hard-coded layers converted (convert=True)' if spec['convert'] else
                                'hard-coded layers the config does not reach')
     report.census = model_census(converted)
+    report.groups = group_choices(converted)
     return converted
 
 
-def build_norm_switched(model: dict, norm: str, num_groups: int = 32, exclude=None, convert: bool = False,
-                        data_preprocessor=None):
+def group_choices(model) -> dict:
+    """``{policy: {(channels, groups): layers}}`` of the group norms in ``model`` whose group count a policy
+    chose (``layers/groups.py``); exact counts a config wrote are not choices."""
+    out = {}
+    for m in model.modules():
+        policy = getattr(m, 'group_policy', None)
+        if policy is None or policy == 'exact':
+            continue
+        key = (m.num_channels, m.num_groups)
+        out.setdefault(policy, {})
+        out[policy][key] = out[policy].get(key, 0) + 1
+    return out
+
+
+def build_norm_switched(model: dict, norm: str, num_groups='auto', exclude=None, convert: bool = False,
+                        data_preprocessor=None, channels_per_group=None):
     """The model-type form, ``model = dict(_delete_=True, type='NormSwitched', norm='gn-ws',
     model={{_base_.model}})``: the switch applied to ``model`` when it is built, so every code path that builds
     ``cfg.model`` (a plain ``Runner.from_cfg`` as mmseg 1.2.2's ``tools/test.py``, ``init_detector``,
@@ -282,7 +349,8 @@ def build_norm_switched(model: dict, norm: str, num_groups: int = 32, exclude=No
     from a top-level ``data_preprocessor`` (as it would into any model dict)."""
     from mmengine.config import Config
     from mmengine.registry import DefaultScope
-    spec = parse_spec(dict(norm=norm, num_groups=num_groups, exclude=exclude or [], convert=convert))
+    spec = parse_spec(dict(norm=norm, num_groups=num_groups, channels_per_group=channels_per_group,
+                           exclude=exclude or [], convert=convert))
     current = DefaultScope.get_current_instance()
     model = copy.deepcopy(dict(model))
     if data_preprocessor is not None:

@@ -64,6 +64,10 @@ def _needs_resnet_codebase():
 
 
 MODELS.register_module(name='GNPN', module=GroupProxyNorm)
+# GroupNorm whose group count fits each layer's channels (layers/groups.py); mmcv's 'GN' stays exact
+from .layers.groups import GroupNorm  # noqa: E402
+
+MODELS.register_module(name='GNAuto', module=GroupNorm)
 MODELS.register_module(name='IterNorm', module=IterNorm)
 # PNResNet subclasses mmseg's ResNet (mmdet's without mmseg), imported on the first build
 _lazy(MODELS, 'PNResNet', 'normdense.models.backbones.pn_resnet', check=_needs_resnet_codebase)

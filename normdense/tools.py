@@ -6,6 +6,7 @@ layout, see setup.py); a source checkout (``pip install -e .``) has them beside 
     python -m normdense.tools                                   # list the tools and where the configs are
     python -m normdense.tools train configs/demo/mask-rcnn_r18_fpn_bcn-ws_toy-coco.py --work-dir runs/x
     python -m normdense.tools test  mask_rcnn/mask-rcnn_r50_fpn_gn-ws_2x_coco.py CKPT.pth
+    python -m normdense.tools train mmdet::retinanet/retinanet_r50_fpn_1x_coco.py --norm bcn-ws
 
 A config argument that is not an existing file is looked up in normdense's configs (with or without the
 leading ``configs/``); the tool then runs exactly as ``python tools/<tool>.py`` would: the known errors
@@ -45,8 +46,9 @@ def list_tools() -> List[str]:
 
 
 def resolve_config(arg: str) -> Optional[str]:
-    """``arg`` if it is a file, else the config of that name in normdense's configs, else None."""
-    if osp.isfile(arg):
+    """``arg`` if it is a file or a packaged name (``mmdet::...``: the tool resolves it), else the config of that
+    name in normdense's configs, else None."""
+    if osp.isfile(arg) or '::' in arg:
         return arg
     rel = arg[len('configs/'):] if arg.startswith('configs/') else arg
     candidate = osp.join(configs_dir(), rel)
@@ -63,7 +65,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if name not in list_tools():
         raise SystemExit(f'normdense has no tool {name!r}; tools: {" ".join(list_tools())}')
     # the first argument that names one of our configs (tools take the config first)
-    if args and not args[0].startswith('-') and args[0].endswith('.py'):
+    if args and not args[0].startswith('-') and args[0].endswith('.py') and '::' not in args[0]:
         args[0] = resolve_config(args[0]) or args[0]
     path = osp.join(package_root(), 'tools', name + '.py')
     sys.argv = [path] + args

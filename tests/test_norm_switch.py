@@ -10,9 +10,10 @@ from mmengine.registry import RUNNERS
 
 import normdense
 from normdense import launch
-from normdense.layers import BatchChannelNorm2d, GroupProxyNorm, WSConv2d
+from normdense.layers import BatchChannelNorm2d, GroupNorm, GroupProxyNorm, WSConv2d
 from normdense.model_convert import _is_norm
 from normdense.norm_switch import switch_norm
+from tests.mm_models import base_config
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 SWITCH_BASE = osp.join(ROOT, 'configs', '_base_', 'norm_switch.py')
@@ -60,7 +61,7 @@ def test_cascade_mask_rcnn_gn_ws_excluded_slot_untouched(tmp_path):
     runner = build_like_codebase_tools(path, tmp_path)
     model = runner.model
     norms = [(n, m) for n, m in model.named_modules() if _is_norm(m)]
-    assert len(norms) == 53 + 8 and all(type(m) is nn.GroupNorm for _, m in norms)  # backbone + FPN
+    assert len(norms) == 53 + 8 and all(type(m) is GroupNorm and m.num_groups == 32 for _, m in norms)  # backbone + FPN
     assert not any(n.startswith('roi_head.mask_head') for n, _ in norms)
     mask_convs = [n for n in layers(model, nn.Conv2d) if n.startswith('roi_head.mask_head')]
     assert len([n for n in mask_convs if '.convs.' in n]) == 3 * 4  # 3 stages x 4 convs: untouched, plain
@@ -239,3 +240,93 @@ def test_model_type_form_with_a_plain_runner(tmp_path):
     switched = build_like_codebase_tools(runner_form, tmp_path).model
     assert type(plain) is type(switched) and list(plain.state_dict()) == list(switched.state_dict())
     assert sum(isinstance(m, BatchChannelNorm2d) for m in plain.modules()) == 69
+
+
+def test_partial_configs_get_no_norm_cfg_from_the_switch():
+    """UNet builds upsample_cfg=dict(type='InterpConv') passing its own norm_cfg: the switch adds none there
+    (InterpConv() got multiple values for keyword argument 'norm_cfg' before), while a *_cfg dict that
+    writes its own norm_cfg (BiSeNetV1's backbone_cfg) is switched."""
+    cfg = base_config('mmseg', 'unet/unet-s5-d16_fcn_4xb4-160k_cityscapes-512x1024.py')
+    report = switch_norm(cfg, 'gn-ws')
+    upsample = cfg.model.backbone.upsample_cfg
+    assert 'norm_cfg' not in upsample and 'conv_cfg' not in upsample and upsample.type == 'InterpConv'
+    assert cfg.model.backbone.norm_cfg.type == 'GNAuto' and cfg.model.backbone.conv_cfg.type == 'WSConv2d'
+    assert not any('upsample_cfg' in row[0] for row in report.switched)
+    cfg = base_config('mmseg', 'bisenetv1/bisenetv1_r18-d32_4xb4-160k_cityscapes-1024x1024.py')
+    switch_norm(cfg, 'bcn-ws')
+    assert cfg.model.backbone.backbone_cfg.norm_cfg.type == 'BCN'
+
+
+def test_summary_lists_the_group_choices_and_the_exact_count_error(tmp_path):
+    from mmseg.registry import MODELS
+    from mmengine.registry import init_default_scope
+
+    from normdense.norm_switch import finish_model
+    cfg = base_config('mmseg', 'hrnet/fcn_hr18s_4xb2-40k_cityscapes-512x1024.py')
+    cfg.model.backbone.norm_cfg = cfg.model.decode_head.norm_cfg = dict(type='BN')
+    report = switch_norm(cfg, 'bcn-ws')
+    init_default_scope('mmseg')
+    model = finish_model(MODELS.build(cfg.model), 'bcn-ws', report)
+    table = report.table()
+    line = next(x for x in table.splitlines() if x.strip().startswith('groups ('))
+    assert "num_groups='auto' (the divisor nearest 32 with >= 2 channels per group)" in line
+    assert '18->9 x' in line and '36->18 x' in line and '72->36 x' in line and '64->32 x' in line
+    assert all(m.num_groups == 9 for m in model.modules() if getattr(m, 'num_channels', 0) == 18)
+    cfg = base_config('mmseg', 'hrnet/fcn_hr18s_4xb2-40k_cityscapes-512x1024.py')
+    switch_norm(cfg, dict(norm='gn', num_groups=32))  # a user's exact count stays exact: one line at build
+    with pytest.raises(ValueError, match="GNAuto: num_groups=32 does not divide this layer's 18 channels; write "
+                                         "num_groups='auto'"):
+        MODELS.build(cfg.model)
+    cfg = base_config('mmseg', 'hrnet/fcn_hr18s_4xb2-40k_cityscapes-512x1024.py')
+    report = switch_norm(cfg, dict(norm='gn', channels_per_group=9))
+    report.groups = normdense.norm_switch.group_choices(MODELS.build(cfg.model))
+    assert '18->2 x' in report.table() and 'channels_per_group=9' in report.table()
+    with pytest.raises(ValueError, match='channels_per_group must be a positive int'):
+        switch_norm(cfg, dict(norm='gn', num_groups=8, channels_per_group=9))
+
+
+def test_configs_by_package_name(tmp_path):
+    cfg = launch.load_config('mmdet::retinanet/retinanet_r50_fpn_1x_coco.py')
+    assert cfg.model.type == 'RetinaNet' and cfg.work_dir.endswith('retinanet_r50_fpn_1x_coco')
+    with pytest.raises(FileNotFoundError, match=r"config mmdet::retinanet/nope.py: .*\.mim/configs"):
+        launch.load_config('mmdet::retinanet/nope.py')
+    with pytest.raises(FileNotFoundError, match='config file not found: nope.py'):
+        launch.load_config('nope.py')
+    from normdense.tools import resolve_config
+    assert resolve_config('mmseg::unet/unet-s5-d16_fcn_4xb4-160k_cityscapes-512x1024.py').startswith('mmseg::')
+
+
+@pytest.mark.slow  # ~40 s: tools/train.py in a subprocess, through the data check
+def test_train_tool_takes_a_package_name_with_norm(tmp_path):
+    """tools/train.py mmdet::retinanet/... --norm bcn-ws: the config resolves, the switch applies, and the run
+    stops at the data check (no COCO here) with one line naming the missing data, not 'config file not found'."""
+    import subprocess
+    import sys
+    cmd = [sys.executable, osp.join(ROOT, 'tools', 'train.py'), 'mmdet::retinanet/retinanet_r50_fpn_1x_coco.py',
+           '--norm', 'bcn-ws', '--work-dir', str(tmp_path / 'work')]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and 'config file not found' not in proc.stderr
+    assert err and err[-1].startswith('train.py: error:') and 'data/coco' in err[-1], proc.stderr[-2000:]
+    # python -m normdense.tools passes the name through to the tool unchanged
+    cmd = [sys.executable, '-m', 'normdense.tools', 'train', 'mmdet::retinanet/retinanet_r50_fpn_1x_coco.py',
+           '--norm', 'bcn-ws', '--work-dir', str(tmp_path / 'work')]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert 'config file not found' not in proc.stderr and 'data/coco' in proc.stderr.strip().splitlines()[-1]
+
+
+def test_pretrained_note_names_the_matching_weights():
+    cfg = base_config('mmdet', 'retinanet/retinanet_r50_fpn_1x_coco.py')
+    notes = ' '.join(switch_norm(cfg, 'bcn-ws').notes)
+    assert 'torchvision://resnet50, a BN-trained checkpoint' in notes
+    assert 'configs/imagenet/resnet50_bcn-ws_in1k.py' in notes and 'checkpoints/resnet50_bcn-ws_in1k.pth' in notes
+    assert '--from torchvision --norm bcn' in notes
+    assert osp.isfile(osp.join(ROOT, 'configs', 'imagenet', 'resnet50_bcn-ws_in1k.py'))
+    cfg = base_config('mmseg', 'pspnet/pspnet_r50-d8_4xb2-40k_cityscapes-512x1024.py')
+    notes = ' '.join(switch_norm(cfg, 'gn-pn').notes)
+    assert 'configs/imagenet/resnet50-v1c_gn-pn_in1k.py' in notes and '--from torchvision' not in notes
+    assert osp.isfile(osp.join(ROOT, 'configs', 'imagenet', 'resnet50-v1c_gn-pn_in1k.py'))
+    cfg = base_config('mmseg', 'hrnet/fcn_hr18_4xb2-40k_cityscapes-512x1024.py')
+    notes = ' '.join(switch_norm(cfg, 'gn').notes)
+    assert 'no ImageNet config for a HRNet with gn' in notes
+    assert 'tools/convert_checkpoint.py --from mmpretrain' in notes

@@ -19,7 +19,7 @@ from normdense.errors import debug_requested, run_tool  # noqa: E402
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('config', help='config file path')
+    p.add_argument('config', help='config: a file, or a packaged name (mmdet::..., mmseg::...)')
     p.add_argument('--splits', nargs='+', choices=['train', 'val', 'test'], default=['train', 'val', 'test'],
                    help='which dataloaders to check (default: all; a test set equal to val is checked once)')
     p.add_argument('--limit', type=int, default=50, help='problems listed per split and kind, 0 = all')

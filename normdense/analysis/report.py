@@ -102,11 +102,11 @@ def analyze_checkpoint(config: str, checkpoint: str, compare_checkpoint: Optiona
     """Load config + checkpoint(s), run ``num_batches`` batches of the ``split`` dataloader and return
     ``{'meta': {...}, 'layers': {layer: {diagnostic: value}}}`` (NaN where a value is undefined, written
     as null by ``write_report``)."""
-    from mmengine.config import Config
+    from ..codebases import read_config
 
     if not isinstance(num_batches, int) or num_batches < 1:
         raise ValueError(f'num_batches must be a positive int, got {num_batches!r}')
-    cfg = Config.fromfile(config)
+    cfg = read_config(config)  # a file or an mmdet::/mmseg:: name
     if cfg_options:
         cfg.merge_from_dict(cfg_options)
     model = build_model_from_config(cfg, checkpoint, device)

@@ -52,7 +52,7 @@ Integration choices (documented in the README):
 * ``recompute=True`` is deprecated: the fused path already keeps only the input. It still applies to
   ``fused=False`` (keep only the input, recompute both stages in backward, ``_recompute.py``).
 """
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -64,6 +64,7 @@ from ._estimate import EstimateRateMixin, check_rate, set_update_rate, update_es
 from ._estimate import in_backward, watch_estimate_call
 from ._estimate import world_size as _world_size
 from ._eval_maps import standardization_affine
+from .groups import AUTO, group_policy, resolve_groups
 from ._fused import compute_dtype
 from ._recompute import _device_autocast as device_autocast
 from ._recompute import autocast_enabled, checkpoint_once, recompute_active
@@ -97,7 +98,9 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
 
     Args:
         num_features: channels C (positional, as mmcv's ``build_norm_layer`` passes it).
-        num_groups: groups G of the channel stage (Eq. 42); must divide C. Default 32 as in the paper.
+        num_groups: groups G of the channel stage (Eq. 42): an int (exact; must divide C) or ``'auto'``
+            (default: 32 as in the paper where 32 divides C, else the nearest fitting divisor; layers/groups.py).
+        channels_per_group: instead of ``num_groups``, about this many channels per group (layers/groups.py).
         mode: ``'estimate'`` (micro batch, Algorithm 1; default) or ``'batch'`` (Eq. 43).
         eps: added to both stages' variances.
         momentum: running-statistics momentum of ``'batch'`` mode (eval statistics), as in BN.
@@ -121,14 +124,16 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
     _abbr_ = 'bcn'
     _SYNC_BATCH = True
 
-    def __init__(self, num_features: int, num_groups: int = 32, mode: str = 'estimate', eps: float = 1e-5,
-                 momentum: float = 0.1, update_rate: Optional[float] = None, sync_stats: Optional[bool] = None,
-                 group_affine: bool = True, recompute: bool = False, fused: bool = True, compiled: bool = False,
-                 backend: Optional[str] = None):
+    def __init__(self, num_features: int, num_groups: Union[int, str] = AUTO, mode: str = 'estimate',
+                 eps: float = 1e-5, momentum: float = 0.1, update_rate: Optional[float] = None,
+                 sync_stats: Optional[bool] = None, group_affine: bool = True, recompute: bool = False,
+                 fused: bool = True, compiled: bool = False, backend: Optional[str] = None,
+                 channels_per_group: Optional[int] = None):
         if mode not in BCN_MODES:
             raise ValueError(f'BCN mode must be one of {BCN_MODES}, got {mode!r}')
-        if num_groups <= 0 or num_features % num_groups:
-            raise ValueError(f'BCN num_groups={num_groups} must be positive and divide num_features={num_features}')
+        # group policy (layers/groups.py): the channel stage and its per-group affine get the resolved G
+        policy = group_policy(num_groups, channels_per_group)
+        num_groups = resolve_groups(num_features, num_groups, channels_per_group, layer='BCN')
         if not eps > 0:  # eps <= 0 divides by zero on a constant group or channel
             raise ValueError(f'BCN eps must be positive, got {eps!r}')
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum <= 1.0:
@@ -139,6 +144,7 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
         self.momentum = momentum
         self.sync_stats = (mode == 'estimate') if sync_stats is None else sync_stats
         self.group_affine = group_affine
+        self.group_policy = policy
         self.recompute = bool(recompute)
         self.fused = bool(fused)
         self.compiled = bool(compiled)

@@ -48,6 +48,7 @@ from ._activations import resolve_activation as _resolve_activation
 from ._checks import check_group_values
 from ._recompute import checkpoint_once, recompute_active
 from ._statnorm import StatNorm2d, warn_recompute_deprecated
+from .groups import AUTO, group_policy, resolve_groups
 
 __all__ = ['GroupProxyNorm', 'proxy_quantiles', 'PROXY_NORM_ACTIVATIONS']
 
@@ -89,8 +90,10 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
     Args:
         num_channels: number of channels C (first positional argument, as ``build_norm_layer``
             passes it).
-        num_groups: groups of the GN stage; must divide ``num_channels``. ``num_groups=1`` gives
-            LN+PN (statistics over all channels and positions of a sample).
+        num_groups: groups of the GN stage: an int (exact; must divide ``num_channels``) or ``'auto'``
+            (default: 32 where it divides, else the nearest fitting divisor; layers/groups.py).
+            ``num_groups=1`` gives LN+PN (statistics over all channels and positions of a sample).
+        channels_per_group: instead of ``num_groups``, about this many channels per group.
         eps: numerical constant of the **GN stage** (inside its sqrt). It keeps the name ``eps``
             because ``build_norm_layer`` always injects ``eps=1e-5``.
         act: activation phi of the PN step, a name (``'relu'``, ``'gelu'``, ``'silu'``/``'swish'``,
@@ -128,7 +131,7 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
 
     def __init__(self,
                  num_channels: int,
-                 num_groups: int = 32,
+                 num_groups: Union[int, str] = AUTO,
                  eps: float = 1e-5,
                  act: Union[str, dict] = 'relu',
                  proxy_eps: float = 0.03,
@@ -137,15 +140,14 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
                  proxy_affine: bool = True,
                  recompute: bool = False,
                  fused: bool = True,
-                 compiled: bool = False, backend: Optional[str] = None):
+                 compiled: bool = False, backend: Optional[str] = None,
+                 channels_per_group: Optional[int] = None):
         if (isinstance(num_channels, bool) or not isinstance(num_channels, int)
                 or num_channels <= 0):
             raise ValueError(f'GNPN: num_channels must be a positive int, got {num_channels!r}')
-        if (isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups <= 0
-                or num_channels % num_groups != 0):
-            raise ValueError(
-                f'GNPN: num_groups={num_groups!r} must be a positive int dividing '
-                f'num_channels={num_channels} (use num_groups=1 for LN+PN)')
+        # group policy (layers/groups.py); num_groups=1 is LN+PN
+        policy = group_policy(num_groups, channels_per_group)
+        num_groups = resolve_groups(num_channels, num_groups, channels_per_group, layer='GNPN')
         if not (isinstance(num_samples, int) and num_samples >= 2):
             raise ValueError(f'GNPN: num_samples must be an int >= 2, got {num_samples!r}')
         if not eps >= 0:
@@ -156,6 +158,7 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
         self._proxy_ready = False  # GroupNorm.__init__ calls reset_parameters before our params
         super().__init__(num_groups, num_channels, eps=eps, affine=True)
         self.act = act_name
+        self.group_policy = policy
         self.act_kwargs = act_kwargs
         self.proxy_eps = float(proxy_eps)
         self.num_samples = num_samples

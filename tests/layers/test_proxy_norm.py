@@ -232,7 +232,7 @@ def test_build_norm_layer_eps_names_and_requires_grad():
 
 
 @pytest.mark.parametrize('cfg, match', [
-    (dict(type='GNPN', num_groups=5), 'num_groups=5 must be a positive int dividing num_channels=32'),
+    (dict(type='GNPN', num_groups=5), "GNPN: num_groups=5 does not divide this layer's 32 channels; write num_groups='auto'"),
     (dict(type='GNPN', num_groups=0), 'num_groups'),
     (dict(type='GNPN', num_groups=8, act='relu7'), "unknown activation 'relu7'"),
     (dict(type='GNPN', num_groups=8, act=dict(type='ReLU', negative_slope=0.1)), 'does not accept'),

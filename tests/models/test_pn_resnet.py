@@ -170,7 +170,7 @@ def test_plain_norm_cfg_override_and_bad_norm_cfg():
     assert (default.layer1[0].norm2.num_groups, default.layer1[0].norm2.eps) == (2, 1e-3)
     with pytest.raises(ValueError, match="type='GNPN'"):
         PNResNet(depth=18, norm_cfg=dict(type='GN', num_groups=32))
-    with pytest.raises(ValueError, match='num_groups=3 must be a positive int dividing'):
+    with pytest.raises(ValueError, match='num_groups=3 does not divide this layer'):
         PNResNet(depth=18, norm_cfg=dict(type='GNPN', num_groups=3))
 
 

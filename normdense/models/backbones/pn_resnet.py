@@ -132,7 +132,11 @@ def _norm_class(norm_cfg: dict):
 
 def default_plain_norm_cfg(pn_norm_cfg: dict) -> dict:
     """GN with the GNPN cfg's ``num_groups`` (default 32), ``eps`` and ``requires_grad``."""
-    plain = dict(type='GN', num_groups=pn_norm_cfg.get('num_groups', 32))
+    groups, per_group = pn_norm_cfg.get('num_groups', 'auto'), pn_norm_cfg.get('channels_per_group')
+    if isinstance(groups, int) and per_group is None:
+        plain = dict(type='GN', num_groups=groups)  # exact, as the GNPN layers
+    else:  # the same group policy as the GNPN layers (layers/groups.py)
+        plain = dict(type='GNAuto', num_groups=groups, channels_per_group=per_group)
     for key in ('eps', 'requires_grad'):
         if key in pn_norm_cfg:
             plain[key] = pn_norm_cfg[key]
