@@ -159,6 +159,31 @@ def _accepts(cls, arg: str) -> bool:
     return False
 
 
+def _default_arg(cls, arg: str):
+    """The default of ``arg`` in the first ``__init__`` of ``cls``'s MRO that names it (None if none does)."""
+    for klass in cls.__mro__:
+        init = klass.__dict__.get('__init__')
+        try:
+            params = inspect.signature(init).parameters if init is not None else {}
+        except (TypeError, ValueError):
+            return None
+        if arg in params:
+            default = params[arg].default
+            return None if default is inspect.Parameter.empty else default
+    return None
+
+
+_LAYER_NORMS = ('LN', 'LN1d', 'LN2d', 'LayerNorm', 'LayerNorm2d', 'GRN')
+
+
+def _is_layer_norm(norm_cfg) -> bool:
+    if not isinstance(norm_cfg, dict):
+        return False
+    kind = norm_cfg.get('type')
+    name = kind.__name__ if isinstance(kind, type) else str(kind).split('.')[-1]
+    return name in _LAYER_NORMS
+
+
 def _module_class(registry, type_name):
     import torch.nn as nn
     if not isinstance(type_name, str):
@@ -213,8 +238,9 @@ def matching_weights(norm: str, backbone: dict) -> str:
     convert = ('; or, as a starting point from BN weights, tools/convert_checkpoint.py SRC.pth DST.pth '
                '--to {mmdet,mmseg} --from torchvision --norm bcn' if norm == 'bcn-ws' and kind == 'ResNet' else '')
     if arch is None or depth not in (50, 101) or norm not in _PRETRAIN_NORMS:
-        return (f'normdense has no ImageNet config for a {kind} with {norm}: pretrain one with the norm switch on an '
-                f'mmpretrain config, then tools/convert_checkpoint.py --from mmpretrain' + convert)
+        return (f'normdense has no ImageNet config for a {kind} with {norm}: pretrain that backbone as a classifier '
+                f'with the switch (tools/train.py mmpretrain::<its config> --norm {norm}) and load it with '
+                "init_cfg=dict(type='Pretrained', checkpoint=<its .pth>, prefix='backbone.')" + convert)
     name = f'{arch}_{norm}_in1k'
     return (f'matching weights: pretrain configs/imagenet/{name}.py, then tools/convert_checkpoint.py '
             f'work_dirs/{name}/epoch_90.pth checkpoints/{name}.pth --to {{mmdet,mmseg}} and load it with '
@@ -249,6 +275,11 @@ def switch_norm(cfg, spec, verbose: bool = False) -> SwitchReport:
             continue
         if _excluded(path, spec['exclude']):
             report.left.append((slot, str(node['type']), 'excluded'))
+            continue
+        if _is_layer_norm(node['norm_cfg'] if 'norm_cfg' in node else _default_arg(cls, 'norm_cfg')):
+            # transformer / ConvNeXt blocks: token or channels-last layouts (LN2d takes data_format=), not a
+            # slot for a batch or group norm over (N, C, H, W)
+            report.left.append((slot, str(node['type']), 'its norm_cfg is a LayerNorm (transformer-style block)'))
             continue
         before = f"{_describe(node, 'norm_cfg')}/{_describe(node, 'conv_cfg')}"
         norm, conv = copy.deepcopy(norm_cfg), copy.deepcopy(conv_cfg)

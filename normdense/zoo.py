@@ -213,7 +213,8 @@ def _try_norm(config, norm, size, batch, seed) -> ZooResult:
             torch.manual_seed(seed)
             model.train()
             set_update_rate(model, 0.01)  # estimate-mode layers: r as EstimateRateHook would set it
-            x = torch.randn(batch, 3, size, size)
+            channels = (cfg.model.get('backbone') or {}).get('in_channels', 3)  # 6 for change detection (LEVIR)
+            x = torch.randn(batch, channels if isinstance(channels, int) else 3, size, size)
             outs = list(_tensors(_forward(model, x)))
             loss = sum(o.float().pow(2).mean() for o in outs if o.is_floating_point())
             if not torch.is_tensor(loss) or not loss.requires_grad:

@@ -329,4 +329,4 @@ def test_pretrained_note_names_the_matching_weights():
     cfg = base_config('mmseg', 'hrnet/fcn_hr18_4xb2-40k_cityscapes-512x1024.py')
     notes = ' '.join(switch_norm(cfg, 'gn').notes)
     assert 'no ImageNet config for a HRNet with gn' in notes
-    assert 'tools/convert_checkpoint.py --from mmpretrain' in notes
+    assert 'tools/train.py mmpretrain::<its config> --norm gn' in notes and "prefix='backbone.'" in notes

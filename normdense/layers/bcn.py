@@ -64,7 +64,7 @@ from ._estimate import EstimateRateMixin, check_rate, set_update_rate, update_es
 from ._estimate import in_backward, watch_estimate_call
 from ._estimate import world_size as _world_size
 from ._eval_maps import standardization_affine
-from .groups import AUTO, group_policy, resolve_groups
+from .groups import group_policy, resolve_groups
 from ._fused import compute_dtype
 from ._recompute import _device_autocast as device_autocast
 from ._recompute import autocast_enabled, checkpoint_once, recompute_active
@@ -98,8 +98,8 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
 
     Args:
         num_features: channels C (positional, as mmcv's ``build_norm_layer`` passes it).
-        num_groups: groups G of the channel stage (Eq. 42): an int (exact; must divide C) or ``'auto'``
-            (default: 32 as in the paper where 32 divides C, else the nearest fitting divisor; layers/groups.py).
+        num_groups: groups G of the channel stage (Eq. 42): an int (exact; must divide C; default (None) 32
+            as in the paper) or ``'auto'`` (fits each layer's C; layers/groups.py; the norm switch's choice).
         channels_per_group: instead of ``num_groups``, about this many channels per group (layers/groups.py).
         mode: ``'estimate'`` (micro batch, Algorithm 1; default) or ``'batch'`` (Eq. 43).
         eps: added to both stages' variances.
@@ -124,7 +124,7 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
     _abbr_ = 'bcn'
     _SYNC_BATCH = True
 
-    def __init__(self, num_features: int, num_groups: Union[int, str] = AUTO, mode: str = 'estimate',
+    def __init__(self, num_features: int, num_groups: Union[int, str, None] = None, mode: str = 'estimate',
                  eps: float = 1e-5, momentum: float = 0.1, update_rate: Optional[float] = None,
                  sync_stats: Optional[bool] = None, group_affine: bool = True, recompute: bool = False,
                  fused: bool = True, compiled: bool = False, backend: Optional[str] = None,

@@ -15,8 +15,9 @@ bottleneck, CGNet's 35), so a config-level ``num_groups=32`` cannot fit every la
 * ``channels_per_group=K``: G = C / K where K divides C, else the divisor of C nearest K is taken as the
   group width (ties: the wider group).
 
-:class:`GroupNorm` is ``nn.GroupNorm`` with this policy, registered as ``'GNAuto'`` (mmcv's ``'GN'`` keeps its
-exact ``num_groups``); BCN and GN+PN take the same arguments.
+:class:`GroupNorm` is ``nn.GroupNorm`` with this policy, registered as ``'GNAuto'`` (default ``'auto'``; mmcv's
+``'GN'`` keeps its exact ``num_groups``); BCN and GN+PN take the same arguments (their default stays the papers'
+exact 32, so existing configs and checkpoints build the same layers).
 """
 from typing import Optional, Union
 
@@ -36,13 +37,14 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def resolve_groups(num_channels: int, num_groups: Union[int, str, None] = DEFAULT_GROUPS,
+def resolve_groups(num_channels: int, num_groups: Union[int, str, None] = None,
                    channels_per_group: Optional[int] = None, layer: str = 'GroupNorm') -> int:
-    """The group count of a ``layer`` over ``num_channels`` channels under the policy above."""
+    """The group count of a ``layer`` over ``num_channels`` channels under the policy above. ``num_groups=None``
+    (not given): ``channels_per_group`` where given, else the papers' exact 32."""
     if not _is_int(num_channels) or num_channels <= 0:
         raise ValueError(f'{layer}: num_channels must be a positive int, got {num_channels!r}')
     if channels_per_group is not None:
-        if num_groups not in (None, AUTO):
+        if num_groups is not None and num_groups != AUTO:
             raise ValueError(f'{layer}: give num_groups or channels_per_group, not both '
                              f'(num_groups={num_groups!r}, channels_per_group={channels_per_group!r})')
         if not _is_int(channels_per_group) or channels_per_group <= 0:
@@ -50,7 +52,9 @@ def resolve_groups(num_channels: int, num_groups: Union[int, str, None] = DEFAUL
         # nearest divisor; ties to the wider group (the larger divisor comes first in the sort key)
         width = min(_divisors(num_channels), key=lambda d: (abs(d - channels_per_group), -d))
         return num_channels // width
-    if num_groups is None or num_groups == AUTO:
+    if num_groups is None:
+        num_groups = DEFAULT_GROUPS
+    if num_groups == AUTO:
         fits = [g for g in _divisors(num_channels) if num_channels // g >= 2] or [1]
         return min(fits, key=lambda g: (abs(g - DEFAULT_GROUPS), g))
     if not _is_int(num_groups) or num_groups <= 0:
@@ -82,4 +86,4 @@ def group_policy(num_groups, channels_per_group=None) -> str:
     """A short name of the policy a layer's group count came from (``'exact'``, ``'auto'``, ``'cpg=16'``)."""
     if channels_per_group is not None:
         return f'channels_per_group={channels_per_group}'
-    return AUTO if num_groups in (None, AUTO) else 'exact'
+    return AUTO if num_groups == AUTO else 'exact'

@@ -48,7 +48,7 @@ from ._activations import resolve_activation as _resolve_activation
 from ._checks import check_group_values
 from ._recompute import checkpoint_once, recompute_active
 from ._statnorm import StatNorm2d, warn_recompute_deprecated
-from .groups import AUTO, group_policy, resolve_groups
+from .groups import group_policy, resolve_groups
 
 __all__ = ['GroupProxyNorm', 'proxy_quantiles', 'PROXY_NORM_ACTIVATIONS']
 
@@ -90,8 +90,8 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
     Args:
         num_channels: number of channels C (first positional argument, as ``build_norm_layer``
             passes it).
-        num_groups: groups of the GN stage: an int (exact; must divide ``num_channels``) or ``'auto'``
-            (default: 32 where it divides, else the nearest fitting divisor; layers/groups.py).
+        num_groups: groups of the GN stage: an int (exact; must divide ``num_channels``; default (None) 32) or
+            ``'auto'`` (fits each layer's channel count; layers/groups.py; the norm switch's choice).
             ``num_groups=1`` gives LN+PN (statistics over all channels and positions of a sample).
         channels_per_group: instead of ``num_groups``, about this many channels per group.
         eps: numerical constant of the **GN stage** (inside its sqrt). It keeps the name ``eps``
@@ -131,7 +131,7 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
 
     def __init__(self,
                  num_channels: int,
-                 num_groups: Union[int, str] = AUTO,
+                 num_groups: Union[int, str, None] = None,
                  eps: float = 1e-5,
                  act: Union[str, dict] = 'relu',
                  proxy_eps: float = 0.03,

@@ -72,12 +72,13 @@ def test_gnauto_through_mmcv_is_a_groupnorm_with_gn_names():
         build_norm_layer(dict(type='GNAuto', num_groups=32), 48)
 
 
-def test_bcn_default_fits_the_channels_and_its_per_group_affine():
-    _, bcn = build_norm_layer(dict(type='BCN', mode='estimate'), 48)
+def test_bcn_auto_fits_the_channels_and_its_per_group_affine():
+    _, bcn = build_norm_layer(dict(type='BCN', num_groups='auto', mode='estimate'), 48)
     assert bcn.num_groups == 24 and bcn.weight.shape == (24,) and bcn.group_policy == 'auto'
     _, per16 = build_norm_layer(dict(type='BCN', channels_per_group=16), 48)
     assert per16.num_groups == 3 and per16.weight.shape == (3,)
-    assert BatchChannelNorm2d(64).num_groups == 32  # the paper's default where 32 divides
+    assert BatchChannelNorm2d(32).num_groups == 32  # the default stays the paper's exact 32 (checkpoints load)
+    assert BatchChannelNorm2d(64, num_groups='auto').num_groups == 32
     with pytest.raises(ValueError, match="BCN: num_groups=32 does not divide this layer's 48 channels"):
         build_norm_layer(dict(type='BCN', num_groups=32), 48)
     bcn.train()
@@ -86,10 +87,11 @@ def test_bcn_default_fits_the_channels_and_its_per_group_affine():
     assert torch.isfinite(y).all()
 
 
-def test_gnpn_default_fits_the_channels():
-    layer = GroupProxyNorm(18)
+def test_gnpn_auto_fits_the_channels():
+    layer = GroupProxyNorm(18, num_groups='auto')
     assert layer.num_groups == 9 and layer.group_policy == 'auto'
     assert GroupProxyNorm(18, channels_per_group=6).num_groups == 3
     assert GroupProxyNorm(32, num_groups=1).num_groups == 1  # LN+PN stays exact
+    assert GroupProxyNorm(32).num_groups == 32  # the default stays exact 32
     with pytest.raises(ValueError, match="GNPN: num_groups=32 does not divide this layer's 18 channels"):
         GroupProxyNorm(18, num_groups=32)

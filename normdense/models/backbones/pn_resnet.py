@@ -132,7 +132,7 @@ def _norm_class(norm_cfg: dict):
 
 def default_plain_norm_cfg(pn_norm_cfg: dict) -> dict:
     """GN with the GNPN cfg's ``num_groups`` (default 32), ``eps`` and ``requires_grad``."""
-    groups, per_group = pn_norm_cfg.get('num_groups', 'auto'), pn_norm_cfg.get('channels_per_group')
+    groups, per_group = pn_norm_cfg.get('num_groups', 32), pn_norm_cfg.get('channels_per_group')
     if isinstance(groups, int) and per_group is None:
         plain = dict(type='GN', num_groups=groups)  # exact, as the GNPN layers
     else:  # the same group policy as the GNPN layers (layers/groups.py)
