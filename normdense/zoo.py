@@ -7,7 +7,9 @@ decode head) on random images, checking that the loss and every gradient are fin
 traceback. :func:`representative_configs` picks one config per folder of a codebase's ``.mim/configs``.
 ``benchmarks/zoo_sweep.py`` runs the whole table; docs/any_model.md summarises it.
 """
+import contextlib
 import copy
+import logging
 import math
 import os
 import os.path as osp
@@ -109,6 +111,19 @@ def _plain_bn(node):
             _plain_bn(value)
 
 
+@contextlib.contextmanager
+def _quiet():
+    """mmengine logs one INFO line per parameter in init_weights: keep the sweep's log readable."""
+    from mmengine.logging import MMLogger
+    logger = MMLogger.get_current_instance()
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _tensors(out):
     if torch.is_tensor(out):
         yield out
@@ -197,6 +212,9 @@ def _try_norm(config, norm, size, batch, seed) -> ZooResult:
         from .norm_switch import _registry
         with DefaultScope.overwrite_default_scope(scope):
             model = _registry(scope).build(cfg.model)
+            if hasattr(model, 'init_weights'):
+                with _quiet():
+                    model.init_weights()  # as mmengine's Runner does (pretrained loads were dropped above)
             if norm is not None:
                 model = finish_model(model, norm, report)
                 left = [r for r in (report.conversion.left if report.conversion is not None else [])

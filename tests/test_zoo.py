@@ -60,10 +60,7 @@ def test_zoo_sample_every_norm_ok_or_one_line():
         representative_configs('mmseg', ['pspnet', 'erfnet', 'segformer'])
     assert len(configs) == 6
     for i, (folder, path) in enumerate(configs):
-        norm = CHOICES[i % len(CHOICES)] if folder != 'segformer' else 'bcn-ws'
+        # SegFormer: LayerNorm blocks left; its decode head gets permuted (non-contiguous) token features
+        norm = CHOICES[1 + i % (len(CHOICES) - 1)] if folder != 'segformer' else 'bcn-ws'
         result = try_norm(path, norm)
-        assert '\n' not in result.line()
-        if folder == 'segformer':  # a transformer: LayerNorm, its decode head is the only norm_cfg slot
-            assert result.ok or result.status.endswith('fails'), result.line()
-        else:
-            assert result.ok, f'{folder} {norm}: {result.line()}'
+        assert result.ok, f'{folder} {norm}: {result.line()}'
