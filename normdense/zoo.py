@@ -84,19 +84,26 @@ def _scope(cfg) -> str:
     return cfg.get('default_scope') or 'mmengine'
 
 
-def _no_pretrained(node):
-    """Drop every pretrained-weight load (the sweep builds from scratch, offline)."""
+def _no_pretrained(node, mim_root=None):
+    """Drop every pretrained-weight load (the sweep builds from scratch, offline); a distillation teacher's
+    relative config path (``configs/gfl/...``, written for a source checkout) is found in the package."""
     if isinstance(node, dict):
         init = node.get('init_cfg')
-        if isinstance(init, dict) and init.get('type') in ('Pretrained', 'PretrainedBackbone'):
+        if isinstance(init, dict) and (init.get('type') in ('Pretrained', 'PretrainedBackbone')
+                                       or 'checkpoint' in init):
             node['init_cfg'] = None
-        if 'pretrained' in node and isinstance(node['pretrained'], str):
-            node['pretrained'] = None
+        for key in ('pretrained', 'teacher_ckpt'):
+            if isinstance(node.get(key), str):
+                node[key] = None
+        teacher = node.get('teacher_config')
+        if isinstance(teacher, str) and mim_root and not osp.isfile(teacher):
+            packaged = osp.join(mim_root, teacher)
+            node['teacher_config'] = packaged if osp.isfile(packaged) else teacher
         for value in node.values():
-            _no_pretrained(value)
+            _no_pretrained(value, mim_root)
     elif isinstance(node, (list, tuple)):
         for value in node:
-            _no_pretrained(value)
+            _no_pretrained(value, mim_root)
 
 
 def _plain_bn(node):
@@ -135,9 +142,17 @@ def _tensors(out):
             yield from _tensors(o)
 
 
+def _feature_model(model):
+    """What extracts features: the model (detectors, segmentors), its ``detector`` (trackers), else None."""
+    for candidate in (model, getattr(model, 'detector', None)):
+        if candidate is not None and hasattr(candidate, 'extract_feat'):
+            return candidate
+    return None
+
+
 def _forward(model, x):
     """The feature extractor (+ neck) of a detector, and the decode heads of a segmentor."""
-    feats = model.extract_feat(x)
+    feats = _feature_model(model).extract_feat(x)
     outs = [feats]
     head = getattr(model, 'decode_head', None)
     if head is not None:
@@ -198,7 +213,7 @@ def _try_norm(config, norm, size, batch, seed) -> ZooResult:
             return result
         scope = codebase_of(cfg)
         model_cfg = copy.deepcopy(cfg.model)
-        _no_pretrained(model_cfg)
+        _no_pretrained(model_cfg, osp.dirname(package_configs(scope)) if scope != 'mmengine' else None)
         _plain_bn(model_cfg)
         cfg.model = model_cfg
         report = None
@@ -224,7 +239,7 @@ def _try_norm(config, norm, size, batch, seed) -> ZooResult:
                 for policy, choices in report.groups.items():
                     picked = ', '.join(f'{c}->{g}' for (c, g) in sorted(choices))
                     result.notes.append(f'groups {picked}')
-            if not hasattr(model, 'extract_feat'):
+            if _feature_model(model) is None:
                 result.status, result.detail = 'no feature extractor', f'{type(model).__name__} has no extract_feat'
                 return result
             stage = 'train step'
