@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .activations import act_forward, act_grad
+from .aten import STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, STATS_NONE  # noqa: F401  (the stats modes)
 from .scalars import from_hi_lo, hi_lo
 
 ACT_NONE = -1  # y = A t + B, no activation
@@ -96,7 +97,6 @@ def moment_partials(x3: torch.Tensor):
     return part, split, chunk
 
 
-STATS_NONE, STATS_FIXED, STATS_ESTIMATE, STATS_BATCH = 0, 1, 2, 3
 
 
 @triton.jit(do_not_specialize=['N', 'C', 'L', 'CHUNK', 'SPLIT', 'WRITE'])

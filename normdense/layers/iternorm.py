@@ -61,7 +61,7 @@ from typing import List, Tuple
 import torch
 import torch.nn as nn
 
-from ._eval_maps import f64
+from ._utils import f64
 from ._estimate import in_backward
 from ._recompute import checkpoint_once, recompute_active
 
