@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from mmcv.cnn import build_norm_layer
 
 import normdense  # noqa: F401  (registers 'Unitization')
-from normdense.layers.bcn import set_update_rate
+from normdense.layers import set_update_rate
 from normdense.layers.unitization import Unitization2d
 
 
