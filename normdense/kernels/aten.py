@@ -71,8 +71,9 @@ def moments(x3: torch.Tensor):
     """(m, v, buffer) of x3 (N, C, L), outside autograd: per-(n, c) mean and biased variance in the compute
     dtype, and an activation-sized tensor of x's dtype that the forward may write y into (None on CUDA).
 
-    CPU: GroupNorm's forward kernel with one channel per group (torch.var_mean's Welford reduction is ~30x
-    slower; E[x^2] - E[x]^2 in float32 loses the variance of a channel whose mean is large), eps 0: a constant
+    CPU: GroupNorm's forward kernel with one channel per group (faster than torch.var_mean's Welford
+    reduction, docs/performance.md; E[x^2] - E[x]^2 in float32 loses the variance of a channel whose mean is
+    large), eps 0: a constant
     channel has rstd = inf and v = rstd^-2 = 0 exactly (its normalized values, NaN, are never read: the
     buffer is only storage). With a float32 unit weight for half inputs, the kernel returns float32 moments.
     CUDA: SyncBN's statistics kernel, one read and nothing written."""

@@ -52,8 +52,7 @@ def standardize_weight(weight: torch.Tensor, eps: float = 1e-5, formula: str = '
     flat = w.reshape(w.shape[0], -1)
     if formula == 'paper' and eps > 0 and flat.shape[1] > 1:
         # Eq. 7 as written is exactly layer_norm over each output channel's fan-in (biased variance, eps
-        # inside the root); the fused kernel runs 1.7-2.2x faster than batch_norm over [1, C_out, fan_in]
-        # and 6-8x faster than var_mean + arithmetic (fwd + bwd, CPU, one thread).
+        # inside the root): one fused kernel instead of var_mean + arithmetic (timings: docs/performance.md).
         with torch.autocast(device_type=w.device.type, enabled=False):
             out = F.layer_norm(flat, (flat.shape[1], ), eps=eps)
         return out.reshape(w.shape)

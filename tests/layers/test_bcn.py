@@ -7,7 +7,8 @@ import torch.nn as nn
 from mmcv.cnn import build_norm_layer
 
 import normdense  # noqa: F401  (registers BCN)
-from normdense.layers.bcn import BatchChannelNorm2d, set_update_rate
+from normdense.layers import set_update_rate
+from normdense.layers.bcn import BatchChannelNorm2d
 
 
 def random_affines(bcn, seed=0):
