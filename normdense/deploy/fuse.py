@@ -42,6 +42,7 @@ from ..layers.bcn import BatchChannelNorm2d
 from ..layers.equinorm import ChannelAffine, EquiConv2d
 from ..layers.iternorm import IterNorm
 from ..layers.unitization import Unitization2d
+from ..layers.unitization import _divisor as unitization_divisor
 from ..layers.ws import WSConv2d
 
 __all__ = ['fuse', 'ChannelLinear', 'RhoScaledConv2d', 'UnitizationStage2', 'channel_map_of']
@@ -112,7 +113,7 @@ class UnitizationStage2(nn.Module):
             x = x.float()
         bshape = (1, -1) + (1,) * (x.dim() - 2)
         x_hat = x * self.in_scale.to(x.dtype).view(bshape) + self.in_shift.to(x.dtype).view(bshape)
-        n = self.n if self.n is not None else float(x[0, 0].numel()) ** (2 if self.norm_divisor == 'hw_squared' else 1)
+        n = unitization_divisor(self, x[0, 0].numel())  # n, else H*W or (H*W)^2, as the layer
         p = torch.rsqrt(x_hat.pow(2).flatten(1).sum(1) / n + self.eps)
         alpha = self.alpha.to(x.dtype)
         scale = p[:, None] * alpha[None, :] + (1.0 - alpha)[None, :]

@@ -44,13 +44,6 @@ def _rsqrt(x):
 
 
 @triton.jit
-def _group_tile(G, per, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
-    g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)[:, None]
-    p = tl.arange(0, BLOCK_P)[None, :]
-    return g * per + p, (g < G) & (p < per)
-
-
-@triton.jit
 def _gn_stage(m_ptr, v_ptr, off, mask, per, EPS: tl.constexpr):
     """d = m - mu_g (0 off the tile) and r = 1 / sigma_g ([BLOCK_G]) of one sample."""
     mn = tl.load(m_ptr + off, mask=mask, other=0.0)
@@ -93,7 +86,13 @@ def _proxy_moments(w, b, pb, pg, q_ptr, S, ACT: tl.constexpr, P0: tl.constexpr, 
 
 
 @triton.jit
-def _load_params(w_ptr, b_ptr, pb_ptr, pg_ptr, ch, mask, dt, AFFINE: tl.constexpr):
+def _tile_params(w_ptr, b_ptr, pb_ptr, pg_ptr, G, per, dt, AFFINE: tl.constexpr, BLOCK_G: tl.constexpr,
+                 BLOCK_P: tl.constexpr):
+    """The program's tile of whole groups (channels, mask) and the parameters on it, in the compute dtype."""
+    g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)[:, None]
+    p = tl.arange(0, BLOCK_P)[None, :]
+    ch = g * per + p
+    mask = (g < G) & (p < per)
     w = tl.load(w_ptr + ch, mask=mask, other=0.0).to(dt)
     b = tl.load(b_ptr + ch, mask=mask, other=0.0).to(dt)
     if AFFINE:
@@ -102,7 +101,7 @@ def _load_params(w_ptr, b_ptr, pb_ptr, pg_ptr, ch, mask, dt, AFFINE: tl.constexp
     else:
         pb = tl.zeros_like(w)
         pg = tl.zeros_like(w)
-    return w, b, pb, pg
+    return ch, mask, w, b, pb, pg
 
 
 @triton.jit(do_not_specialize=['N', 'C', 'G', 'per', 'S'])
@@ -110,9 +109,8 @@ def _coeff_map_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr, a_ptr, 
                       N, C, G, per, S, EPS: tl.constexpr, PROXY_EPS: tl.constexpr, ACT: tl.constexpr,
                       P0: tl.constexpr, P1: tl.constexpr, AFFINE: tl.constexpr, SCALING: tl.constexpr,
                       BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr):
-    ch, mask = _group_tile(G, per, BLOCK_G, BLOCK_P)
     dt = m_ptr.dtype.element_ty
-    w, b, pb, pg = _load_params(w_ptr, b_ptr, pb_ptr, pg_ptr, ch, mask, dt, AFFINE)
+    ch, mask, w, b, pb, pg = _tile_params(w_ptr, b_ptr, pb_ptr, pg_ptr, G, per, dt, AFFINE, BLOCK_G, BLOCK_P)
     pmean, pvar = _proxy_moments(w, b, pb, pg, q_ptr, S, ACT, P0, P1, AFFINE, SCALING, BLOCK_S)
     if SCALING:
         k = _rsqrt(pvar + PROXY_EPS)
@@ -137,9 +135,8 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
                       N, C, G, per, S, EPS: tl.constexpr, PROXY_EPS: tl.constexpr, ACT: tl.constexpr,
                       P0: tl.constexpr, P1: tl.constexpr, AFFINE: tl.constexpr, SCALING: tl.constexpr,
                       BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr):
-    ch, mask = _group_tile(G, per, BLOCK_G, BLOCK_P)
     dt = m_ptr.dtype.element_ty
-    w, b, pb, pg = _load_params(w_ptr, b_ptr, pb_ptr, pg_ptr, ch, mask, dt, AFFINE)
+    ch, mask, w, b, pb, pg = _tile_params(w_ptr, b_ptr, pb_ptr, pg_ptr, G, per, dt, AFFINE, BLOCK_G, BLOCK_P)
     dw = tl.zeros_like(w)
     db = tl.zeros_like(w)
     gk_sum = tl.zeros_like(w)

@@ -4,6 +4,7 @@ autocast queries that work on every supported torch."""
 from typing import Optional, Tuple
 
 import torch
+import torch.nn as nn
 
 
 def check_group_values(x: torch.Tensor, num_channels: int, num_groups: int, layer: str) -> None:
@@ -59,3 +60,13 @@ def autocast_enabled(device_type: str) -> bool:
         return device_autocast(device_type)[0]
     except RuntimeError:
         return False
+
+
+def affine_parameters(module: nn.Module, num_features: int, affine: bool) -> None:
+    """``weight`` (ones) and ``bias`` (zeros) per channel, or both registered as None without affine."""
+    if affine:
+        module.weight = nn.Parameter(torch.ones(num_features))
+        module.bias = nn.Parameter(torch.zeros(num_features))
+    else:
+        module.register_parameter('weight', None)
+        module.register_parameter('bias', None)

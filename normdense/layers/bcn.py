@@ -284,14 +284,6 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
                     functools.partial(kernels.coeff_vjp, **cfg._asdict()))
         return functools.partial(coeff_map, cfg), functools.partial(coeff_vjp, cfg)
 
-    def coeff_map(self, *args):
-        """:func:`coeff_map` with this layer's configuration."""
-        return self._coeff_maps(False)[0](*args)
-
-    def coeff_vjp(self, *args):
-        """:func:`coeff_vjp` with this layer's configuration."""
-        return self._coeff_maps(False)[1](*args)
-
     def reset_parameters(self):
         # nn.GroupNorm.__init__ calls this before our parameters exist.
         if hasattr(self, 'batch_weight'):

@@ -61,7 +61,7 @@ from typing import List, Tuple
 import torch
 import torch.nn as nn
 
-from ._utils import f64
+from ._utils import affine_parameters, f64
 from ._estimate import in_backward
 from ._recompute import checkpoint_once, recompute_active
 
@@ -193,12 +193,7 @@ class IterNorm(nn.Module):
         if rest:
             self._blocks.append((full * g, full, 1, rest))
 
-        if affine:
-            self.weight = nn.Parameter(torch.ones(num_features))
-            self.bias = nn.Parameter(torch.zeros(num_features))
-        else:
-            self.register_parameter('weight', None)
-            self.register_parameter('bias', None)
+        affine_parameters(self, num_features, affine)
         self.register_buffer('running_mean', torch.zeros(num_features))
         self.register_buffer('running_wm', torch.zeros(len(self.group_sizes), g, g))
         self.reset_running_stats()

@@ -309,14 +309,6 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
             return functools.partial(_triton_coeff_map, cfg), functools.partial(_triton_coeff_vjp, cfg)
         return functools.partial(coeff_map, cfg), functools.partial(coeff_vjp, cfg)
 
-    def coeff_map(self, *args):
-        """:func:`coeff_map` with this layer's configuration."""
-        return coeff_map(self._config(), *args)
-
-    def coeff_vjp(self, *args):
-        """:func:`coeff_vjp` with this layer's configuration."""
-        return coeff_vjp(self._config(), *args)
-
     def _eq7(self, x: torch.Tensor, dtype: torch.dtype, weight, bias, proxy_beta, proxy_gamma) -> torch.Tensor:
         """Eq. 7 with the given parameters, computed in ``dtype`` with autocast disabled."""
         with torch.autocast(device_type=x.device.type, enabled=False):

@@ -60,7 +60,7 @@ import torch.nn as nn
 
 from ._estimate import EstimateRateMixin, in_backward
 from ._statnorm import StatNorm2d
-from ._utils import standardization_affine
+from ._utils import affine_parameters, standardization_affine
 
 UNITIZATION_MODES = ('batch', 'estimate')
 NORM_DIVISORS = ('hw', 'hw_squared')
@@ -192,12 +192,7 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
         self.affine = affine
         self.n = None if n is None else float(n)
         self.alpha = nn.Parameter(torch.zeros(num_features))
-        if affine:
-            self.weight = nn.Parameter(torch.ones(num_features))
-            self.bias = nn.Parameter(torch.zeros(num_features))
-        else:
-            self.register_parameter('weight', None)
-            self.register_parameter('bias', None)
+        affine_parameters(self, num_features, affine)
         self._init_statnorm(num_features, mode, sync_stats, fused, backend, momentum, num_batches_tracked=True)
 
     def reset_parameters(self) -> None:
@@ -227,13 +222,7 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
         var, mean = torch.var_mean(x, dim=dims, correction=0)
         if not in_backward():  # a checkpoint's recomputation tracks nothing: the forward did
             self._track(mean.detach(), var.detach(), count)
-        return mean, var * self._var_factor(count)
-
-    def _var_factor(self, count: int) -> float:
-        return _var_factor(self._config(), count)
-
-    def _divisor(self, positions: int) -> float:
-        return _divisor(self._config(), positions)
+        return mean, var * _var_factor(self._config(), count)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() < 2 or x.shape[1] != self.num_features:
@@ -269,21 +258,13 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
                     functools.partial(kernels.coeff_vjp, affine=cfg.affine))
         return functools.partial(coeff_map, cfg), functools.partial(coeff_vjp, cfg)
 
-    def coeff_map(self, *args):
-        """:func:`coeff_map` with this layer's configuration."""
-        return coeff_map(self._config(), *args)
-
-    def coeff_vjp(self, *args):
-        """:func:`coeff_vjp` with this layer's configuration."""
-        return coeff_vjp(self._config(), *args)
-
     def _unitize(self, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, alpha: torch.Tensor, weight,
                  bias) -> torch.Tensor:
         """Stage 1 with the given statistics, then stage 2 and the affine (x in its compute dtype;
         ``weight``/``bias`` None without affine)."""
         bshape = (1, -1) + (1,) * (x.dim() - 2)
         x_hat = (x - mean.view(bshape)) * torch.rsqrt(var.view(bshape) + self.eps)
-        n = self._divisor(x[0, 0].numel())
+        n = _divisor(self._config(), x[0, 0].numel())
         s = x_hat.pow(2).flatten(1).sum(1) / n                                  # (N,)
         p = torch.rsqrt(s + self.eps)
         alpha = alpha.to(x.dtype)
