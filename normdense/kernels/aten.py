@@ -146,7 +146,7 @@ def estimate_moments(m: torch.Tensor, v: torch.Tensor, base_mean: torch.Tensor) 
 
 
 def estimate_step(base: torch.Tensor, moments: torch.Tensor, rate) -> torch.Tensor:
-    """Algorithm 1, steps 3-4: the estimates (2, C) moved by r towards the moments (2, C)."""
+    """Algorithm 1, steps 3-4: the estimates (2, C) moved by r (a number, or a tensor) towards the moments (2, C)."""
     return torch.lerp(base.to(moments.dtype), moments, rate)
 
 

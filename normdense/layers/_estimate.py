@@ -61,6 +61,14 @@ def _unpack(sums):
     return sums[:-1].view(2, -1) / total.clamp(min=1), total
 
 
+def _rate(rate: float, count, dtype):
+    """r, or 0 where no values stand behind the moments: for a tensor count (all-reduced) a tensor in ``dtype``
+    (r in float32 would be off by ~1e-8), not an ``if`` that reads it (a host sync)."""
+    if isinstance(count, torch.Tensor):
+        return (count > 0).to(dtype) * rate
+    return rate if count > 0 else 0.0
+
+
 # --- once per iteration ---------------------------------------------------------------------------------
 # A training iteration, for the estimates, ends when gradients have flowed back through any estimate-mode
 # layer, or when EstimateRateHook / set_update_rate / mark_iteration marks a new one; both bump this token.
@@ -100,8 +108,7 @@ class _Iteration:
         # base: (2, C) copy of (estimated mean, estimated variance) at the iteration's start; rate: r, read
         # once (a recomputation in backward uses the forward's)
         self.token, self.base, self.mean, self.var, self.rate = token, base, base[0], base[1], rate
-        self.total = None  # (moments (2, C), count) of the calls so far, without collectives
-        self.sums = None  # with sync_stats: the all-reduced sums of the calls so far
+        self.total = None  # (moments (2, C), count) of the calls so far
         self.local, self.synced = [], []
 
     def synced_sums(self, local):
@@ -169,23 +176,34 @@ class EstimateRateMixin:
         checkpointing's recomputation): a call normalizes with the iteration's starting estimates moved by r
         towards *its own* moments (steps 3-4 as if it were the iteration's only call: exactly Algorithm 1 for
         one call, and the same for every call order); the buffers then hold the starting estimates moved by r
-        towards the moments of all the iteration's calls together (one move of r per iteration). A
-        recomputation in backward returns the forward call's values and changes nothing."""
-        if self.sync_stats and world_size() > 1:
-            return self._synced_estimates(m, v, positions)
+        towards the moments of all the iteration's calls together (one move of r per iteration). With
+        ``sync_stats`` the moments are all-reduced first (exact for unequal batches; a process without samples
+        joins with a count of 0). A recomputation in backward returns the forward call's values and changes
+        nothing (no collective either: the forward's all-reduced moments are kept for it)."""
         st = self._open_iteration()
         with torch.no_grad():
             count = m.shape[0] * positions
-            if not count:  # no samples (a RoI head that got no RoIs): the starting estimates, nothing moves
-                return st.mean.to(m.dtype), st.var.to(m.dtype)
-            moments = estimate_moments(m, v, st.mean)
-            call = estimate_step(st.base, moments, st.rate)
+            moments = estimate_moments(m, v, st.mean) if count else st.base.to(m.dtype) * 0
+            if self.sync_stats and world_size() > 1:
+                moments, count = self._all_reduced(st, moments, count)
+            call = estimate_step(st.base, moments, _rate(st.rate, count, moments.dtype))
             if not in_backward():
                 if st.total is None:  # the iteration's first call: the buffers take its estimates
                     self.running_mean.copy_(call[0])
                     self.running_var.copy_(call[1])
                 self._record_call(st, moments, count)
             return call[0], call[1]
+
+    def _all_reduced(self, st: '_Iteration', moments: torch.Tensor, count: int):
+        """(moments, count tensor) over every process; a recomputation in backward finds the forward's."""
+        local = _pack(moments, count)
+        if in_backward():
+            return _unpack(st.synced_sums(local))
+        synced = local.clone()
+        dist.all_reduce(synced)
+        st.local.append(local)
+        st.synced.append(synced)
+        return _unpack(synced)
 
     def _open_iteration(self, deferred: bool = False) -> _Iteration:
         """This training iteration's state, opened on its first call. ``deferred``: the caller's kernel fills
@@ -208,44 +226,21 @@ class EstimateRateMixin:
                 self.num_batches_tracked.add_(1)  # iterations, not calls
         return st
 
-    def _record_call(self, st: _Iteration, moments: torch.Tensor, count: int) -> None:
-        """After a call with moments (2, C) over ``count`` values whose buffers, as the iteration's first call,
-        are set already: the iteration's running total, and for a later call the buffers moved towards it."""
+    def _record_call(self, st: _Iteration, moments: torch.Tensor, count) -> None:
+        """After a call with moments (2, C) over ``count`` values (an int, or a tensor after an all-reduce) whose
+        buffers, as the iteration's first call, are set already: the iteration's running total, and for a later
+        call the buffers moved towards it."""
         if st.total is None:
             st.total = (moments, count)
             return
         with torch.no_grad():
             total, n = st.total
-            st.total = (torch.lerp(total.to(moments.dtype), moments, count / (n + count)), n + count)
-            moved = estimate_step(st.base, st.total[0], st.rate)
+            n = n + count
+            weight = count / n.clamp(min=1) if isinstance(n, torch.Tensor) else count / max(n, 1)
+            st.total = (torch.lerp(total.to(moments.dtype), moments, weight), n)
+            moved = estimate_step(st.base, st.total[0], _rate(st.rate, n, moments.dtype))
             self.running_mean.copy_(moved[0])
             self.running_var.copy_(moved[1])
-
-    def _synced_estimates(self, m, v, positions):
-        """:meth:`estimates_from_moments` with the moments all-reduced over the processes (exact for unequal
-        batches; a process without samples joins with a count of 0). A recomputation in backward issues no
-        collective: it finds the forward's all-reduced sums among those kept for this iteration."""
-        st = self._open_iteration()
-        with torch.no_grad():
-            count = m.shape[0] * positions
-            moments = estimate_moments(m, v, st.mean) if count else st.base.new_zeros(st.base.shape).to(m.dtype)
-            local = _pack(moments, count)
-            backward = in_backward()
-            if backward:
-                synced = st.synced_sums(local)
-            else:
-                synced = local.clone()
-                dist.all_reduce(synced)
-                st.local.append(local)
-                st.synced.append(synced)
-                st.sums = synced if st.sums is None else st.sums + synced
-                total, n = _unpack(st.sums)
-                moved = estimate_step(st.base, total, (n > 0).to(total.dtype) * st.rate)
-                self.running_mean.copy_(moved[0])
-                self.running_var.copy_(moved[1])
-            moments, n = _unpack(synced)
-            call = estimate_step(st.base, moments, (n > 0).to(moments.dtype) * st.rate)
-            return call[0], call[1]
 
     def _load_from_state_dict(self, *args, **kwargs):
         self.__dict__.pop('_iteration', None)  # new estimates: the next call starts a new iteration from them

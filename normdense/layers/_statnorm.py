@@ -179,7 +179,7 @@ class StatNorm2d(nn.Module):
     def _synced_stats(self, m, v, positions):
         """The first stage across processes (torch code around the collectives), its side effects done."""
         if self.mode == 'estimate':
-            mean, var = self._synced_estimates(m, v, positions)
+            mean, var = self.estimates_from_moments(m, v, positions)
             return 'fixed', mean.to(m.dtype), var.to(m.dtype), None
         mean, var, count = synced_batch_moments(m, v, positions)
         if not in_backward():
