@@ -150,14 +150,6 @@ def estimate_step(base: torch.Tensor, moments: torch.Tensor, rate) -> torch.Tens
     return torch.lerp(base.to(moments.dtype), moments, rate)
 
 
-def batch_stats(m: torch.Tensor, v: torch.Tensor):
-    """Per-channel mean and biased variance over the samples from the per-(n, c) moments (law of total
-    variance, squares around the batch mean)."""
-    mean = m.mean(0)
-    d = m - mean
-    return mean, torch.addcmul(v, d, d).mean(0)
-
-
 def tracked(mean, var, count, momentum, nbt):
     """A function (running_mean, running_var) -> None that moves the running statistics in place after one batch
     of ``count`` values per channel (unbiased variance, as nn.BatchNorm); ``momentum`` None: the cumulative
@@ -219,7 +211,9 @@ class AtenBackend:
                         running_mean.copy_(mean)
                         running_var.copy_(var)
             elif mode == STATS_BATCH:
-                mean, var = batch_stats(m, v)
+                mean = m.mean(0)  # over the samples; the variance by the law of total variance
+                d = m - mean
+                var = torch.addcmul(v, d, d).mean(0)
                 if write:
                     upd = tracked(mean, var, shape[0] * shape[2], momentum, nbt)
         return m, v, mean, var, moved, upd

@@ -1,33 +1,17 @@
 """IterNorm's ``recompute`` option: keep only the layer's input for backward and recompute the rest.
 
-IterNorm is a composition of autograd ops that each save their own input, so plain autograd holds several
-activation-sized tensors from forward to backward where ``nn.GroupNorm`` holds one (the StatNorm layers need
-no such option: their engine keeps only x).
+IterNorm is a composition of autograd ops that each save their input, so plain autograd holds several
+activation-sized tensors where ``nn.GroupNorm`` holds one (the StatNorm layers need no such option: their
+engine keeps only x). :func:`checkpoint_once` runs the differentiable part as one autograd function whose
+forward keeps only its tensor arguments (input, parameters, channel-sized statistics) and whose backward runs
+the part again with autograd: activation checkpointing, the same ops on the same values as plain autograd's.
 
-With ``recompute=True`` the differentiable part of a layer runs as one autograd function
-(:func:`checkpoint_once`) whose forward runs without building a graph and keeps only its tensor
-arguments (the layer's input, its parameters and a few channel-sized statistics); its backward runs the
-part again with autograd and differentiates that. This is activation checkpointing: the output and the
-gradients are the same ops on the same values as plain autograd's.
-
-What a layer must guarantee for that (each layer's forward does it):
-
-* Side effects happen once. Running statistics are updated inside it only on the first call
-  (``first=True``, the forward); the recomputation in backward gets ``first=False`` and must not touch any
-  buffer.
-* The recomputation sees what the forward saw. Everything it needs comes in as an argument: the input,
-  the parameters (so e.g. ``torch.func.functional_call`` works), and *copies* taken at forward time of
-  anything read from mutable state (estimates, running buffers), never the buffers themselves: a layer
-  called several times per iteration (a shared head over the FPN levels) updates its buffers in place
-  between its forward and its backward (autograd's version check would also reject that). Mode flags
-  (``training``) are fixed at forward time as well.
-* No random numbers: IterNorm draws none, so no RNG state is saved or restored.
-
-The autocast state of the forward (CPU and the input's device) is captured and restored for the
-recomputation. Gradients of gradients (double backward) are not supported and raise.
-
-``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` would do the same at a higher fixed cost per call
-(saved-tensor hooks, recompute bookkeeping; docs/performance.md).
+What the layer guarantees: side effects once (running statistics updated only when ``first=True``, the
+forward); the recomputation sees what the forward saw (everything as arguments: parameters, so
+``torch.func.functional_call`` works, and copies of mutable state; ``training`` fixed at forward time); no
+random numbers (no RNG state saved). The forward's autocast state is restored for the recomputation; double
+backward raises. ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` would do the same at a higher
+fixed cost per call (docs/performance.md).
 """
 from typing import Callable, Dict, Tuple
 
@@ -35,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
-from ._utils import device_autocast
+from ._statnorm import device_autocast
 
 
 def recompute_active(module: nn.Module, x: torch.Tensor) -> bool:

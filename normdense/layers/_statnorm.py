@@ -35,11 +35,8 @@ from ..kernels.backend import check_backend, selected_backend
 from ._estimate import in_backward, mark_iteration, watch_backward, world_size
 
 _HALF = (torch.float16, torch.bfloat16)
-
-
-def _triton_backend():
-    from ..kernels.triton import TritonBackend  # triton imported only when it runs
-    return TritonBackend
+# why: the reference composition's output dtype under autocast, found once per key on a tiny input
+_AUTOCAST_DTYPES = {}  # (device type, input dtype, batch statistics, autocast dtype) -> output dtype
 
 
 class StatNorm2d(nn.Module):
@@ -76,6 +73,22 @@ class StatNorm2d(nn.Module):
     def _output_dtype(self, x: torch.Tensor) -> torch.dtype:
         return x.dtype
 
+    @staticmethod
+    def _autocast_dtype(x: torch.Tensor, batch_stats: bool) -> torch.dtype:
+        """The output dtype of a composition of F.batch_norm (``batch_stats``) and F.group_norm on x: under
+        autocast they follow the device's autocast policy (e.g. float32 on CUDA)."""
+        if not autocast_enabled(x.device.type):
+            return x.dtype
+        key = (x.device.type, x.dtype, batch_stats, device_autocast(x.device.type)[1])
+        if key not in _AUTOCAST_DTYPES:
+            with torch.no_grad():
+                probe = torch.ones(2, 2, 1, 1, dtype=x.dtype, device=x.device)
+                w = torch.ones(2, device=x.device)
+                if batch_stats:
+                    probe = nn.functional.batch_norm(probe, None, None, w, w, True)
+                _AUTOCAST_DTYPES[key] = nn.functional.group_norm(probe, 1, w, w).dtype
+        return _AUTOCAST_DTYPES[key]
+
     def _statnorm_dtypes(self, x: torch.Tensor) -> Tuple[torch.dtype, torch.dtype]:
         """(compute dtype, output dtype): the moments, statistics and coefficients in float64 where x or a
         parameter is float64, else float32 (sums over positions overflow or round away in fp16/bf16)."""
@@ -100,8 +113,9 @@ class StatNorm2d(nn.Module):
         """The output by the selected backend. ``keep`` (a list): no autograd graph; (backward state, backward
         function) is appended to it instead (the torch.compile operator)."""
         if selected_backend(self, x) == 'triton':
+            from ..kernels.triton import TritonBackend  # triton imported only when it runs
             try:
-                return self._run(x, _triton_backend(), keep)
+                return self._run(x, TritonBackend, keep)
             except _backend.compile_errors() as e:  # under 'auto': the ATen backend takes this call and the next
                 _backend.give_up_triton(self.backend, e)
                 st = self.__dict__.get('_iteration')
@@ -313,6 +327,43 @@ def _reshaped_base(y: torch.Tensor, shape) -> torch.Tensor:
         return y.reshape(shape)
     strides = torch.empty(0).new_empty(shape, device='meta').stride()
     return y.new_empty(0).set_(y.untyped_storage(), y.storage_offset(), shape, strides)
+
+
+def check_group_values(x: torch.Tensor, num_channels: int, num_groups: int, layer: str) -> None:
+    """Group normalization of a group holding a single value outputs its bias alone, with a zero gradient
+    to everything before it (torch's own group_norm accepts it silently): say why and what to change.
+
+    The group statistics are per sample, so what counts is a group's values *within one sample*:
+    channels per group x H x W, whatever the batch size (a batch of 2 on a 1x1 map with one channel per
+    group is as degenerate as a batch of 1). An empty batch has no group to normalize and passes.
+    Shapes only, no host sync."""
+    per_group = num_channels // num_groups
+    values = per_group
+    for size in x.shape[2:]:
+        values *= size
+    if values == 1 and x.shape[0] > 0:
+        raise ValueError(
+            f'{layer}: each group holds a single value per sample (input {tuple(x.shape)}, {per_group} channel '
+            f'per group), which group normalization maps to its bias alone; use num_groups <= '
+            f'{max(num_channels // 2, 1)} (>= 2 channels per group) for 1x1 maps or (N, C) inputs')
+
+
+def device_autocast(device_type: str) -> Tuple[bool, torch.dtype]:
+    if hasattr(torch, 'get_autocast_dtype'):  # torch >= 2.4: per-device-type queries
+        return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    if device_type == 'cpu':
+        return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+    if device_type == 'cuda':
+        return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
+    raise RuntimeError(f'no autocast state query for {device_type!r} before torch 2.4')
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` (any torch version; False where it has no autocast)."""
+    try:
+        return device_autocast(device_type)[0]
+    except RuntimeError:
+        return False
 
 
 def set_fused(module: nn.Module, fused: bool = True) -> int:

@@ -59,12 +59,10 @@ import torch.nn.functional as F
 
 from ._estimate import EstimateRateMixin, in_backward
 from ._estimate import world_size as _world_size
-from ._statnorm import StatNorm2d
-from ._utils import autocast_enabled, check_group_values, device_autocast, standardization_affine
+from ._statnorm import StatNorm2d, check_group_values
+from ._utils import standardization_affine
 
 BCN_MODES = ('batch', 'estimate')
-# why: the reference composition's output dtype under autocast, found once per key on a tiny input
-_REFERENCE_DTYPES = {}  # (device type, input dtype, batch statistics, autocast dtype) -> output dtype
 
 
 def _synced_batch_moments(x: torch.Tensor):
@@ -259,22 +257,7 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
 
     def _output_dtype(self, x):
         synced = self.sync_stats and _world_size() > 1
-        return self._reference_dtype(x, self.mode == 'batch' and self.training and not synced)
-
-    def _reference_dtype(self, x, batch_stats: bool) -> torch.dtype:
-        """The output dtype of the reference composition: under autocast its F.batch_norm / F.group_norm
-        follow the device's autocast policy (e.g. float32 on CUDA), found once on a tiny input."""
-        if not autocast_enabled(x.device.type):
-            return x.dtype
-        key = (x.device.type, x.dtype, batch_stats, device_autocast(x.device.type)[1])
-        if key not in _REFERENCE_DTYPES:
-            with torch.no_grad():
-                probe = torch.ones(2, 2, 1, 1, dtype=x.dtype, device=x.device)
-                w = torch.ones(2, device=x.device)
-                if batch_stats:
-                    probe = F.batch_norm(probe, None, None, w, w, True)
-                _REFERENCE_DTYPES[key] = F.group_norm(probe, 1, w, w).dtype
-        return _REFERENCE_DTYPES[key]
+        return self._autocast_dtype(x, self.mode == 'batch' and self.training and not synced)
 
     def _coeff_maps(self, triton: bool):
         cfg = BCNConfig(self.num_groups, self.eps, self.group_affine)

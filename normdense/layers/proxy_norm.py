@@ -39,8 +39,7 @@ import torch.nn.functional as F
 
 from ._activations import PROXY_NORM_ACTIVATIONS, activation
 from ._activations import resolve_activation as _resolve_activation
-from ._statnorm import StatNorm2d
-from ._utils import check_group_values
+from ._statnorm import StatNorm2d, check_group_values
 
 __all__ = ['GroupProxyNorm', 'proxy_quantiles', 'PROXY_NORM_ACTIVATIONS']
 
@@ -62,10 +61,6 @@ def _cached_quantiles(num_samples: int, dtype: torch.dtype, device: torch.device
     # backward by a later training forward
     with torch.inference_mode(False):
         return proxy_quantiles(num_samples, dtype, device)
-
-
-def _ones_like_expanded(m: torch.Tensor) -> torch.Tensor:
-    return m.new_ones(1).expand_as(m)
 
 
 def _stat_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -111,7 +106,7 @@ def coeff_map(cfg, m, v, mean, var, params, positions, count):
     pvar, pmean = torch.var_mean(out, dim=1, correction=0)  # expectation over the proxy: 1/n
     k = torch.rsqrt(pvar + cfg.proxy_eps) if cfg.proxy_scaling else None
     l_ = -pmean * k if cfg.proxy_scaling else -pmean
-    kk = k.expand(n, c) if cfg.proxy_scaling else _ones_like_expanded(m)
+    kk = k.expand(n, c) if cfg.proxy_scaling else m.new_ones(1).expand_as(m)
     coeffs = a3.view(n, c), b3.view(n, c), kk, l_.expand(n, c)
     return coeffs, (d, r, w, a3, y, z, out, pmean, k, q, act)
 
