@@ -12,6 +12,7 @@ import warnings
 BACKENDS = ('auto', 'aten', 'triton')
 ENV = 'NORMDENSE_BACKEND'
 
+# why: importing triton is tried once per process, and a failed compile gives Triton up for the process
 _STATE = {'triton': None, 'broken': None}  # triton importable (None: not yet tried); why Triton was given up
 
 

@@ -1,6 +1,6 @@
 """Batch-Channel Normalization's coefficient map and its closed-form VJP as one Triton launch each (Qiao et al.,
 "Micro-Batch Training with Batch-Channel Normalization and Weight Standardization", arXiv:1903.10520,
-Sec. 7, Eq. 40-42): the Triton transcription of ``BatchChannelNorm2d.coeff_map`` / ``coeff_vjp``.
+Sec. 7, Eq. 40-42): the Triton transcription of ``coeff_map`` / ``coeff_vjp`` in ``normdense/layers/bcn.py``.
 
 For per-(n, c) moments m, v of x and first-stage statistics mean, var (C,):
 
@@ -139,7 +139,7 @@ def _blocks(c: int, num_groups: int):
 
 
 def coeff_map(m, v, mean, var, params, positions, count, *, num_groups: int, eps: float, group_affine: bool):
-    """Triton ``BatchChannelNorm2d.coeff_map`` (Eq. 40-42), one launch: ((A, B), res) with A, B (N, C) in m's
+    """Triton ``normdense.layers.bcn.coeff_map`` (Eq. 40-42), one launch: ((A, B), res) with A, B (N, C) in m's
     dtype. ``positions`` and ``count`` do not enter BCN's map (as in the torch method); ``res`` is the
     inputs, which :func:`coeff_vjp` recomputes the intermediates from."""
     bw, bb, w, b = (p.contiguous() for p in params)

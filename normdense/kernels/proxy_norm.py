@@ -1,5 +1,5 @@
 """GN+PN's channel-sized coefficient map and its closed-form VJP, one Triton launch each: the transcriptions of
-``GroupProxyNorm.coeff_map`` / ``coeff_vjp`` (``normdense/layers/proxy_norm.py``).
+``coeff_map`` / ``coeff_vjp`` of ``normdense/layers/proxy_norm.py``.
 
 Paper: Labatie et al., "Proxy-Normalizing Activations to Match Batch Normalization while Removing Batch
 Dependence", arXiv:2106.03743, Eq. 7 and App. B. Per (n, c), from the moments m, v of x:
@@ -199,8 +199,8 @@ def _config(m, num_groups, num_samples, act, act_kwargs):
 
 def coeff_map(m, v, mean, var, params, positions, count, *, num_groups, eps, act, act_kwargs, proxy_eps,
               proxy_scaling, proxy_affine, quantiles):
-    """``GroupProxyNorm.coeff_map`` in one launch: ((A, B, K, L), residuals), each coefficient (N, C) in m's
-    dtype. ``quantiles`` are the proxy samples q (num_samples,) (the layer's cached quantiles); ``mean``,
+    """``normdense.layers.proxy_norm.coeff_map`` in one launch: ((A, B, K, L), residuals), each coefficient (N, C)
+    in m's dtype. ``quantiles`` are the proxy samples q (num_samples,) (the layer's cached quantiles); ``mean``,
     ``var``, ``positions`` and ``count`` are unused (GN+PN has no first stage)."""
     weight, bias, proxy_beta, proxy_gamma = params
     m, v = m.contiguous(), v.contiguous()

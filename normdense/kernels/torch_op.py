@@ -23,7 +23,7 @@ import torch
 _LAYERS = weakref.WeakValueDictionary()  # why: the operator's schema takes strings, not modules
 _PENDING = {}  # why: a forward's backward state until its backward runs (ticket -> (state, backward fn))
 _STATE = ('running_mean', 'running_var', 'num_batches_tracked')  # the buffers a call may write
-_TICKETS = itertools.count(1)
+_TICKETS = itertools.count(1)  # why: a forward's key into _PENDING, unique per process
 _MAX_PENDING = 4096  # a safety net: forwards whose graph is alive without a backward, the oldest dropped
 
 

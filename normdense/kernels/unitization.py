@@ -1,5 +1,5 @@
 """Unitization's channel-sized coefficient map and its closed-form VJP as one Triton launch each: the Triton
-transcription of ``Unitization2d.coeff_map`` / ``coeff_vjp`` (Huang et al., "An Internal Covariate Shift
+transcription of ``normdense.layers.unitization.coeff_map`` / ``coeff_vjp`` (Huang et al., "An Internal Covariate Shift
 Bounding Algorithm for Deep Neural Networks by Unitizing Layers' Outputs", CVPR 2020, arXiv:2001.02814;
 Algorithm 2 lines 5-14, Eq. 16).
 
@@ -170,7 +170,7 @@ def _scalars(eps, positions, count, n, norm_divisor, var_correction):
 
 def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None, norm_divisor='hw',
               var_correction='none'):
-    """``Unitization2d.coeff_map`` in one launch: ((A, B), res) for y = A (x - m) + B, each (N, C).
+    """``normdense.layers.unitization.coeff_map`` in one launch: ((A, B), res) for y = A (x - m) + B, each (N, C).
 
     ``count`` (an int) marks batch statistics (its variance factor applies), None fixed ones (estimate mode,
     eval). ``res`` holds the inputs, p and the scalars: the VJP recomputes the rest.

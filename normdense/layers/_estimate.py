@@ -72,7 +72,7 @@ def _rate(rate: float, count, dtype):
 # --- once per iteration ---------------------------------------------------------------------------------
 # A training iteration, for the estimates, ends when gradients have flowed back through any estimate-mode
 # layer, or when EstimateRateHook / set_update_rate / mark_iteration marks a new one; both bump this token.
-_TOKEN = [0]
+_TOKEN = [0]  # why: one counter shared by every layer and the hook, without a reference to either
 
 
 def mark_iteration() -> None:

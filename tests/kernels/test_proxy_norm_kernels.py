@@ -1,5 +1,5 @@
 """GN+PN's Triton coefficient map and VJP (normdense/kernels/proxy_norm.py, through the layer's
-``triton_coeff_map`` / ``triton_coeff_vjp``) against the layer's torch ``coeff_map`` / ``coeff_vjp``: every
+``_coeff_maps(True)``) against the layer's torch ``coeff_map`` / ``coeff_vjp``: every
 activation, proxy scaling and proxy affine on and off, channels per group 1, 4, 16 and LN+PN (one group),
 random moments (some v = 0) and parameters, float64 to ~1e-12 and float32 to ~1e-5; one launch each."""
 import pytest
