@@ -17,7 +17,7 @@ def _act(act):
 
 
 class TritonBackend:
-    name = 'triton'
+    name = 'triton'  # x3 and dy come contiguous (the engine makes them so for this backend)
 
     @staticmethod
     def prepare(coeffs, v):
@@ -25,7 +25,7 @@ class TritonBackend:
 
     @staticmethod
     def moments(x3):
-        return P.moment_partials(x3)  # x3 contiguous (the engine makes it so for this backend)
+        return P.moment_partials(x3)
 
     @staticmethod
     def stats(part, shape, mode=STATS_NONE, stat_mean=None, stat_var=None, base=None, rate=0.0, momentum=0.1,
@@ -42,10 +42,10 @@ class TritonBackend:
 
     @staticmethod
     def sums(x3, dy, m, v, coeffs, act=None):
-        return P.sums(x3, dy.contiguous(), m, v, coeffs, _act(act)), None
+        return P.sums(x3, dy, m, v, coeffs, _act(act)), None
 
     @staticmethod
     def dx(x3, dy, m, v, coeffs, dm, dv, gsum, act=None, batch=None, state=None):
-        return P.dx(x3, dy.contiguous(), m, v, coeffs, dm.contiguous(), dv.contiguous(), gsum, _act(act),
+        return P.dx(x3, dy, m, v, coeffs, dm.contiguous(), dv.contiguous(), gsum, _act(act),
                     batch)
 

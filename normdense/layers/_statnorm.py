@@ -252,6 +252,8 @@ def _backward_or_fallback(ctx, dy):
         dy = dy.reshape(x3.shape)  # dy may be expanded (the grad of a sum)
         dy = dy if dy.dtype == x3.dtype else dy.to(x3.dtype)
         call = ctx.call
+        if call.backend is not AtenBackend:
+            dy = dy.contiguous()  # once, for both backward passes
         errors = _backend.compile_errors() if call.backend is not AtenBackend else ()
         try:
             return _backward(ctx, x3, dy)
