@@ -6,7 +6,6 @@ feature-map shapes, at one or more CPU thread counts.
     python benchmarks/layers.py --threads 1 2 --shapes 2x256x64x64 1x256x100x168 --repeats 15
     python benchmarks/layers.py --threads 1 --shapes 1x64x16x16 --conv-shapes --repeats 3 --out /tmp/l.json \
         --plot /tmp/l.png                             # smoke run: tiny shape, no conv rows
-    python benchmarks/layers.py --compiled            # adds the compiled=True rows (the committed run)
 
 Defaults: ``--threads 1 2``, ``--shapes 2x256x64x64 1x256x100x168`` (P2 of a 512x512 crop at batch 2 and
 P2 of a 400x672 image: full N x C x H x W), ``--conv-shapes`` = ``--shapes`` (give it without values to
@@ -39,10 +38,7 @@ Norm rows (ratios to ``nn.GroupNorm(32)`` and to the elementwise floor):
 * ``BCN estimate`` (update_rate 0.01), ``BCN batch``, ``GNPN (GN+PN)``, ``Unitization batch``,
   ``Unitization estimate`` (update_rate 0.01): the default, ``fused=True`` (one pass, analytic backward
   keeping only the input); each with a ``... reference`` row, the same layer with ``fused=False`` (the
-  reference composition of torch ops, plain autograd). ``recompute=True`` is deprecated for these
-  layers and not measured.
-* with ``--compiled``: the same five layers with ``compiled=True`` (``... compiled`` rows; torch.compile'd
-  passes, compiled during the warm-up rounds).
+  reference composition of torch ops, plain autograd).
 * ``IterNorm g64 T5``, ``ZCA g64 (eigh)`` and their ``... recompute`` rows (``recompute=True``: only the
   input saved, the rest recomputed in backward).
 * ``whitening``: the whitening matrix alone (Newton T=5 vs eigh), fwd+bwd, same setting.
@@ -82,7 +78,6 @@ from benchmarks._timing import (conditions, count_ops, interleaved_times, median
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 RECOMPUTE = ' recompute'  # suffix of the rows of layers built with recompute=True (IterNorm / ZCA)
 REFERENCE = ' reference'  # suffix of the rows of layers built with fused=False
-COMPILED = ' compiled'  # suffix of the rows of layers built with compiled=True (--compiled)
 GN = 'nn.GroupNorm(32)'
 FLOOR = 'elementwise floor'
 # the layers with a fused path: their default (fused) rows carry the time and memory targets
@@ -104,7 +99,7 @@ class ElementwiseFloor(nn.Module):
         return x * self.weight.view(1, -1, 1, 1)
 
 
-def norm_candidates(c, compiled=False):
+def norm_candidates(c):
     from normdense.layers.bcn import BatchChannelNorm2d
     from normdense.layers.equinorm import ChannelAffine
     from normdense.layers.iternorm import IterNorm
@@ -132,15 +127,6 @@ def norm_candidates(c, compiled=False):
         'ZCA g64 (eigh) recompute': lambda: IterNorm(c, group_size=64, method='zca', recompute=True),
         'ChannelAffine': lambda: ChannelAffine(c),
     }
-    if compiled:  # compiled=True rows (torch.compile'd passes; compiled during the warm-up calls)
-        rows.update({
-            'BCN estimate' + COMPILED: lambda: BatchChannelNorm2d(c, 32, mode='estimate', update_rate=0.01,
-                                                                  compiled=True),
-            'BCN batch' + COMPILED: lambda: BatchChannelNorm2d(c, 32, mode='batch', compiled=True),
-            'GNPN (GN+PN)' + COMPILED: lambda: GroupProxyNorm(c, 32, compiled=True),
-            'Unitization batch' + COMPILED: lambda: Unitization2d(c, compiled=True),
-            'Unitization estimate' + COMPILED: lambda: Unitization2d(c, mode='estimate', update_rate=0.01,
-                                                                     compiled=True)})
     return rows
 
 
@@ -244,8 +230,6 @@ def main(argv=None):
     parser.add_argument('--out', default=osp.join(ROOT, 'benchmarks', 'results', 'layers.json'))
     parser.add_argument('--plot', default=osp.join(ROOT, 'docs', 'figures', 'bench_layers.png'),
                         help="figure path ('' for none)")
-    parser.add_argument('--compiled', action='store_true',
-                        help="add rows of the fused layers with compiled=True (torch.compile'd passes)")
     parser.add_argument('--malloc', choices=('default', 'retain'), default='default',
                         help="'retain': restart with glibc malloc keeping freed memory (no page faults from "
                              "re-allocated activations, as with a GPU's caching allocator; _timing.py)")
@@ -273,7 +257,7 @@ def main(argv=None):
                 key = setting_key(threads, shape)
                 results['settings'][key] = dict(threads=threads, shape=list(shape), kind='norm',
                                                 conditions=conditions(threads))
-                rows = bench_setting(norm_candidates(shape[1], args.compiled), shape, args.repeats, False)
+                rows = bench_setting(norm_candidates(shape[1]), shape, args.repeats, False)
                 results['norm'][key] = add_ratios(rows, GN, FLOOR)
                 print_table(f'norm layers, input {tuple(shape)}, {threads} thread(s), fwd+bwd, train mode',
                             results['norm'][key], GN, FLOOR)

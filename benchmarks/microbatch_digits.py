@@ -79,7 +79,7 @@ def load_data():
 
 
 def run(kind, batch, seed, epochs, data):
-    from normdense.layers.bcn import set_update_rate
+    from normdense.layers import set_update_rate
     x_tr, y_tr, x_te, y_te = data
     torch.manual_seed(seed)
     model = SmallCNN(kind)

@@ -131,7 +131,7 @@ def main(argv=None):
     from mmengine.logging import MMLogger
     from mmengine.optim import OptimWrapper
 
-    from normdense.layers.bcn import set_update_rate
+    from normdense.layers import set_update_rate
     from tests.mm_models import build_detector
     MMLogger.get_current_instance().setLevel('ERROR')  # init_weights logs every parameter
 

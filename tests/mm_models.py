@@ -12,7 +12,7 @@ from mmengine.optim import OptimWrapper
 from mmengine.registry import init_default_scope
 from mmengine.structures import PixelData
 
-from normdense.layers.bcn import set_update_rate
+from normdense.layers import set_update_rate
 
 
 def base_config(scope: str, rel_path: str) -> Config:

@@ -42,6 +42,7 @@ from ..layers.bcn import BatchChannelNorm2d
 from ..layers.equinorm import ChannelAffine, EquiConv2d
 from ..layers.iternorm import IterNorm
 from ..layers.unitization import Unitization2d
+from ..layers.unitization import _divisor as unitization_divisor
 from ..layers.ws import WSConv2d
 
 __all__ = ['fuse', 'ChannelLinear', 'RhoScaledConv2d', 'UnitizationStage2', 'channel_map_of']
@@ -93,6 +94,7 @@ class UnitizationStage2(nn.Module):
         self.num_features = src.num_features
         self.eps = src.eps
         self.n = src.n
+        self.norm_divisor = src.norm_divisor
         self.affine = src.affine
         self.register_buffer('alpha', src.alpha.detach().clone())
         if src.affine:
@@ -111,7 +113,7 @@ class UnitizationStage2(nn.Module):
             x = x.float()
         bshape = (1, -1) + (1,) * (x.dim() - 2)
         x_hat = x * self.in_scale.to(x.dtype).view(bshape) + self.in_shift.to(x.dtype).view(bshape)
-        n = self.n if self.n is not None else float(x[0, 0].numel())
+        n = unitization_divisor(self, x[0, 0].numel())  # n, else H*W or (H*W)^2, as the layer
         p = torch.rsqrt(x_hat.pow(2).flatten(1).sum(1) / n + self.eps)
         alpha = self.alpha.to(x.dtype)
         scale = p[:, None] * alpha[None, :] + (1.0 - alpha)[None, :]
@@ -173,11 +175,10 @@ def _standalone(norm: nn.Module) -> nn.Module:
         return UnitizationStage2(norm, torch.diagonal(a), c).to(device)
     if is_diag:
         with torch.device(device):  # built where it runs: no CPU copy to move
-            aff = ChannelAffine(a.shape[0])
+            aff = ChannelAffine(a.shape[0]).to(dtype)  # in its dtype before the copy: no float32 rounding
         with torch.no_grad():
             aff.weight.copy_(torch.diagonal(a))
             aff.bias.copy_(c)
-        aff = aff.to(device=device, dtype=dtype)
     else:
         aff = ChannelLinear(a.to(dtype), c.to(dtype)).to(device)
     if isinstance(rest, nn.Identity):

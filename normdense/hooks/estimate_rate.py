@@ -6,7 +6,7 @@ from ..layers._estimate import EstimateRateMixin, check_rate, mark_iteration
 
 class EstimateRateHook(Hook):
     """Before every training iteration, set r of each estimate-mode layer (every
-    :class:`~normdense.layers.EstimateRateMixin` without a fixed ``update_rate``: BCN and Unitization in
+    :class:`~normdense.layers._estimate.EstimateRateMixin` without a fixed ``update_rate``: BCN and Unitization in
     ``mode='estimate'``) to ``rate_scale`` x the current learning rate of the optimizer param group that
     holds the layer's parameters (the first group for a layer without parameters).
 

@@ -1,9 +1,8 @@
-"""Triton kernels of the StatNorm engine (CUDA; on CPU tensors under Triton's interpreter, ``TRITON_INTERPRET=1``).
+"""The StatNorm engine's backends, below the layers: nothing here imports ``normdense.layers``.
 
-Kernels below, layers above: nothing here imports ``normdense.layers``. ``passes.py`` holds the passes over
-the activation (moments, apply, sums, dx) and the first-stage statistics; ``bcn.py``, ``proxy_norm.py`` and
-``unitization.py`` the channel-sized coefficient maps of each layer and their closed-form VJPs (each one
-launch, the Triton transcription of the layer's ``coeff_map`` / ``coeff_vjp``); ``activations.py`` the
-activations phi of GN+PN; ``scalars.py`` float arguments at float64 accuracy. Importing this package
-imports no triton: the modules do.
+``backend.py`` picks a backend; ``aten.py`` and ``triton.py`` implement the engine's interface (moments, stats,
+apply, sums, dx); ``torch_op.py`` is the operator a layer's call becomes under torch.compile. The Triton kernels
+(CUDA; CPU tensors under ``TRITON_INTERPRET=1``): ``passes.py`` over the activation, ``bcn.py``,
+``proxy_norm.py``, ``unitization.py`` each layer's coefficient map and VJP, ``activations.py`` GN+PN's phi,
+``scalars.py`` float arguments at float64 accuracy. Importing this package imports no triton.
 """

@@ -12,6 +12,7 @@ import warnings
 BACKENDS = ('auto', 'aten', 'triton')
 ENV = 'NORMDENSE_BACKEND'
 
+# why: importing triton is tried once per process, and a failed compile gives Triton up for the process
 _STATE = {'triton': None, 'broken': None}  # triton importable (None: not yet tried); why Triton was given up
 
 
@@ -52,7 +53,7 @@ def _choice(layer) -> str:
 def selected_backend(layer, x) -> str:
     """'aten' or 'triton' for ``layer`` on input ``x``."""
     choice = _choice(layer)
-    if choice == 'aten' or not hasattr(layer, 'triton_coeff_map'):
+    if choice == 'aten':
         return 'aten'
     if choice == 'triton':
         reason = triton_error()
@@ -76,9 +77,10 @@ def compile_errors() -> tuple:
                                         if hasattr(errors, n))
 
 
-def give_up_triton(layer, error) -> None:
-    """Under ``auto``: ATen for the rest of the process, said once. A forced 'triton' re-raises."""
-    if _choice(layer) == 'triton':
+def give_up_triton(option, error) -> None:
+    """Under ``auto`` (``option``: the layer's backend option): ATen for the rest of the process, said once. A
+    forced 'triton' re-raises."""
+    if (check_backend(option) or env_backend()) == 'triton':
         raise error
     if _STATE['broken'] is None:
         _STATE['broken'] = f'{type(error).__name__}: {error}'.splitlines()[0]

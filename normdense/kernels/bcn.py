@@ -1,6 +1,6 @@
 """Batch-Channel Normalization's coefficient map and its closed-form VJP as one Triton launch each (Qiao et al.,
 "Micro-Batch Training with Batch-Channel Normalization and Weight Standardization", arXiv:1903.10520,
-Sec. 7, Eq. 40-42): the Triton transcription of ``BatchChannelNorm2d.coeff_map`` / ``coeff_vjp``.
+Sec. 7, Eq. 40-42): the Triton transcription of ``coeff_map`` / ``coeff_vjp`` in ``normdense/layers/bcn.py``.
 
 For per-(n, c) moments m, v of x and first-stage statistics mean, var (C,):
 
@@ -22,27 +22,43 @@ _TILE = 128  # elements of a program's (group, channel) tile: several programs a
 _MAX_PER_GROUP = 4096  # a whole group is one tile row (bounded registers on a GPU)
 
 
-@triton.jit(do_not_specialize=['N', 'C', 'G', 'PER'])
-def _bcn_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, b_ptr, a_ptr, bo_ptr,
-                    N, C, G, PER, EPS: tl.constexpr, GROUP_AFFINE: tl.constexpr,
-                    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
+@triton.jit
+def _channel_affine(ptr, grp, gmask, ch, mask, dt, GROUP_AFFINE: tl.constexpr):
+    """The channel stage's gamma^c or beta^c on the tile: per group (Eq. 42) or per channel."""
+    if GROUP_AFFINE:
+        out = tl.load(ptr + grp, mask=gmask, other=0.0).to(dt)
+    else:
+        out = tl.load(ptr + ch, mask=mask, other=0.0).to(dt)
+    return out
+
+
+@triton.jit
+def _first_stage(mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, G, PER, EPS: tl.constexpr, GROUP_AFFINE: tl.constexpr,
+                 BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The program's tile of whole groups (grp, gmask, mask, ch) and what Eq. 40 needs per channel: mean,
+    1 / sqrt(var + eps) (EPS constexpr: exact in float64; a float argument would be float32), gamma^b, beta^b;
+    and gamma^c. Everything in the compute dtype (mean's: m's); parameters may come in another one."""
     grp = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)[:, None]
     j = tl.arange(0, BLOCK_P)[None, :]
     gmask = grp < G
     mask = gmask & (j < PER)
     ch = grp * PER + j
     mean = tl.load(mean_ptr + ch, mask=mask, other=0.0)
-    dt = mean.dtype  # the compute dtype (m's); parameters may come in another one
-    var = tl.load(var_ptr + ch, mask=mask, other=0.0).to(dt)
+    dt = mean.dtype
+    rs = tl.rsqrt(tl.load(var_ptr + ch, mask=mask, other=0.0).to(dt) + EPS)
     bw = tl.load(bw_ptr + ch, mask=mask, other=0.0).to(dt)
     bb = tl.load(bb_ptr + ch, mask=mask, other=0.0).to(dt)
-    if GROUP_AFFINE:
-        w = tl.load(w_ptr + grp, mask=gmask, other=0.0).to(dt)
-        b = tl.load(b_ptr + grp, mask=gmask, other=0.0).to(dt)
-    else:
-        w = tl.load(w_ptr + ch, mask=mask, other=0.0).to(dt)
-        b = tl.load(b_ptr + ch, mask=mask, other=0.0).to(dt)
-    a = bw * tl.rsqrt(var + EPS)  # EPS constexpr: exact in float64 (a float argument would be float32)
+    return grp, gmask, mask, ch, mean, rs, bw, bb, _channel_affine(w_ptr, grp, gmask, ch, mask, dt, GROUP_AFFINE)
+
+
+@triton.jit(do_not_specialize=['N', 'C', 'G', 'PER'])
+def _bcn_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, b_ptr, a_ptr, bo_ptr,
+                    N, C, G, PER, EPS: tl.constexpr, GROUP_AFFINE: tl.constexpr,
+                    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
+    grp, gmask, mask, ch, mean, rs, bw, bb, w = _first_stage(mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, G, PER, EPS,
+                                                             GROUP_AFFINE, BLOCK_G, BLOCK_P)
+    b = _channel_affine(b_ptr, grp, gmask, ch, mask, mean.dtype, GROUP_AFFINE)
+    a = bw * rs
     a2 = a * a
     for n in range(0, N):
         off = n * C + ch
@@ -61,21 +77,9 @@ def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_p
                     dm_ptr, dv_ptr, dmean_ptr, dvar_ptr, dbw_ptr, dbb_ptr, dw_ptr, db_ptr,
                     N, C, G, PER, EPS: tl.constexpr, GROUP_AFFINE: tl.constexpr, WANTS_STATS: tl.constexpr,
                     BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
-    grp = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)[:, None]
-    j = tl.arange(0, BLOCK_P)[None, :]
-    gmask = grp < G
-    mask = gmask & (j < PER)
-    ch = grp * PER + j
-    mean = tl.load(mean_ptr + ch, mask=mask, other=0.0)
+    grp, gmask, mask, ch, mean, rs, bw, bb, w = _first_stage(mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, G, PER, EPS,
+                                                             GROUP_AFFINE, BLOCK_G, BLOCK_P)
     dt = mean.dtype
-    var = tl.load(var_ptr + ch, mask=mask, other=0.0).to(dt)
-    bw = tl.load(bw_ptr + ch, mask=mask, other=0.0).to(dt)
-    bb = tl.load(bb_ptr + ch, mask=mask, other=0.0).to(dt)
-    if GROUP_AFFINE:
-        w = tl.load(w_ptr + grp, mask=gmask, other=0.0).to(dt)
-    else:
-        w = tl.load(w_ptr + ch, mask=mask, other=0.0).to(dt)
-    rs = tl.rsqrt(var + EPS)
     a = bw * rs
     a2 = a * a
     zero = tl.zeros([BLOCK_G, BLOCK_P], dtype=dt)
@@ -135,7 +139,7 @@ def _blocks(c: int, num_groups: int):
 
 
 def coeff_map(m, v, mean, var, params, positions, count, *, num_groups: int, eps: float, group_affine: bool):
-    """Triton ``BatchChannelNorm2d.coeff_map`` (Eq. 40-42), one launch: ((A, B), res) with A, B (N, C) in m's
+    """Triton ``normdense.layers.bcn.coeff_map`` (Eq. 40-42), one launch: ((A, B), res) with A, B (N, C) in m's
     dtype. ``positions`` and ``count`` do not enter BCN's map (as in the torch method); ``res`` is the
     inputs, which :func:`coeff_vjp` recomputes the intermediates from."""
     bw, bb, w, b = (p.contiguous() for p in params)

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .activations import act_forward, act_grad
+from .aten import STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, STATS_NONE  # noqa: F401  (the stats modes)
 from .scalars import from_hi_lo, hi_lo
 
 ACT_NONE = -1  # y = A t + B, no activation
@@ -96,7 +97,6 @@ def moment_partials(x3: torch.Tensor):
     return part, split, chunk
 
 
-STATS_NONE, STATS_FIXED, STATS_ESTIMATE, STATS_BATCH = 0, 1, 2, 3
 
 
 @triton.jit(do_not_specialize=['N', 'C', 'L', 'CHUNK', 'SPLIT', 'WRITE'])
@@ -288,6 +288,14 @@ def apply(x3, m, v, coeffs, act=None, out_dtype=None, write=None, nbt=None):
 
 
 # --- backward -----------------------------------------------------------------------------------------------
+@triton.jit
+def _t_and_dy(x_ptr, dy_ptr, offs, idx, end, m, ACC: tl.constexpr):
+    """A tile of a row of the backward passes: (mask, t = x - m, dy), accumulated in ACC."""
+    mask = idx < end
+    t = tl.load(x_ptr + offs + idx, mask=mask, other=0.0).to(ACC) - m
+    return mask, t, tl.load(dy_ptr + offs + idx, mask=mask, other=0.0).to(ACC)
+
+
 @triton.jit(do_not_specialize=['ROWS', 'L', 'CHUNK'])
 def _sums_kernel(x_ptr, dy_ptr, part_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, ROWS, L, CHUNK, p0h, p0l, p1h,
                  p1l, ACT: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr):
@@ -313,9 +321,7 @@ def _sums_kernel(x_ptr, dy_ptr, part_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, ROW
         kk = tl.load(k_ptr + row).to(ACC)
     for off in range(start, end, BLOCK):
         idx = off + cols
-        mask = idx < end
-        t = tl.load(x_ptr + offs + idx, mask=mask, other=0.0).to(ACC) - m
-        g = tl.load(dy_ptr + offs + idx, mask=mask, other=0.0).to(ACC)
+        mask, t, g = _t_and_dy(x_ptr, dy_ptr, offs, idx, end, m, ACC)
         if ACT >= 0:
             z = a * t + b
             s2 += g * act_forward(z, ACT, p0, p1)
@@ -399,9 +405,7 @@ def _dx_kernel(x_ptr, dy_ptr, dx_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr,
     cols = tl.arange(0, BLOCK)
     for off in range(start, end, BLOCK):
         idx = off + cols
-        mask = idx < end
-        t = tl.load(x_ptr + offs + idx, mask=mask, other=0.0).to(ACC) - m
-        g = tl.load(dy_ptr + offs + idx, mask=mask, other=0.0).to(ACC)
+        mask, t, g = _t_and_dy(x_ptr, dy_ptr, offs, idx, end, m, ACC)
         if ACT >= 0:
             dx = scale_g * (g * act_grad(a * t + b, ACT, p0, p1)) + c1 * t + c0
         else:

@@ -1,5 +1,5 @@
 """GN+PN's channel-sized coefficient map and its closed-form VJP, one Triton launch each: the transcriptions of
-``GroupProxyNorm.coeff_map`` / ``coeff_vjp`` (``normdense/layers/proxy_norm.py``).
+``coeff_map`` / ``coeff_vjp`` of ``normdense/layers/proxy_norm.py``.
 
 Paper: Labatie et al., "Proxy-Normalizing Activations to Match Batch Normalization while Removing Batch
 Dependence", arXiv:2106.03743, Eq. 7 and App. B. Per (n, c), from the moments m, v of x:
@@ -41,13 +41,6 @@ def _blocks(groups: int, per: int, samples: int):
 @triton.jit
 def _rsqrt(x):
     return 1.0 / tl.sqrt(x)  # not tl.rsqrt: its float64 form may be an approximation on the GPU
-
-
-@triton.jit
-def _group_tile(G, per, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
-    g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)[:, None]
-    p = tl.arange(0, BLOCK_P)[None, :]
-    return g * per + p, (g < G) & (p < per)
 
 
 @triton.jit
@@ -93,7 +86,13 @@ def _proxy_moments(w, b, pb, pg, q_ptr, S, ACT: tl.constexpr, P0: tl.constexpr, 
 
 
 @triton.jit
-def _load_params(w_ptr, b_ptr, pb_ptr, pg_ptr, ch, mask, dt, AFFINE: tl.constexpr):
+def _tile_params(w_ptr, b_ptr, pb_ptr, pg_ptr, G, per, dt, AFFINE: tl.constexpr, BLOCK_G: tl.constexpr,
+                 BLOCK_P: tl.constexpr):
+    """The program's tile of whole groups (channels, mask) and the parameters on it, in the compute dtype."""
+    g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)[:, None]
+    p = tl.arange(0, BLOCK_P)[None, :]
+    ch = g * per + p
+    mask = (g < G) & (p < per)
     w = tl.load(w_ptr + ch, mask=mask, other=0.0).to(dt)
     b = tl.load(b_ptr + ch, mask=mask, other=0.0).to(dt)
     if AFFINE:
@@ -102,7 +101,7 @@ def _load_params(w_ptr, b_ptr, pb_ptr, pg_ptr, ch, mask, dt, AFFINE: tl.constexp
     else:
         pb = tl.zeros_like(w)
         pg = tl.zeros_like(w)
-    return w, b, pb, pg
+    return ch, mask, w, b, pb, pg
 
 
 @triton.jit(do_not_specialize=['N', 'C', 'G', 'per', 'S'])
@@ -110,9 +109,8 @@ def _coeff_map_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr, a_ptr, 
                       N, C, G, per, S, EPS: tl.constexpr, PROXY_EPS: tl.constexpr, ACT: tl.constexpr,
                       P0: tl.constexpr, P1: tl.constexpr, AFFINE: tl.constexpr, SCALING: tl.constexpr,
                       BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr):
-    ch, mask = _group_tile(G, per, BLOCK_G, BLOCK_P)
     dt = m_ptr.dtype.element_ty
-    w, b, pb, pg = _load_params(w_ptr, b_ptr, pb_ptr, pg_ptr, ch, mask, dt, AFFINE)
+    ch, mask, w, b, pb, pg = _tile_params(w_ptr, b_ptr, pb_ptr, pg_ptr, G, per, dt, AFFINE, BLOCK_G, BLOCK_P)
     pmean, pvar = _proxy_moments(w, b, pb, pg, q_ptr, S, ACT, P0, P1, AFFINE, SCALING, BLOCK_S)
     if SCALING:
         k = _rsqrt(pvar + PROXY_EPS)
@@ -137,9 +135,8 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
                       N, C, G, per, S, EPS: tl.constexpr, PROXY_EPS: tl.constexpr, ACT: tl.constexpr,
                       P0: tl.constexpr, P1: tl.constexpr, AFFINE: tl.constexpr, SCALING: tl.constexpr,
                       BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr):
-    ch, mask = _group_tile(G, per, BLOCK_G, BLOCK_P)
     dt = m_ptr.dtype.element_ty
-    w, b, pb, pg = _load_params(w_ptr, b_ptr, pb_ptr, pg_ptr, ch, mask, dt, AFFINE)
+    ch, mask, w, b, pb, pg = _tile_params(w_ptr, b_ptr, pb_ptr, pg_ptr, G, per, dt, AFFINE, BLOCK_G, BLOCK_P)
     dw = tl.zeros_like(w)
     db = tl.zeros_like(w)
     gk_sum = tl.zeros_like(w)
@@ -202,8 +199,8 @@ def _config(m, num_groups, num_samples, act, act_kwargs):
 
 def coeff_map(m, v, mean, var, params, positions, count, *, num_groups, eps, act, act_kwargs, proxy_eps,
               proxy_scaling, proxy_affine, quantiles):
-    """``GroupProxyNorm.coeff_map`` in one launch: ((A, B, K, L), residuals), each coefficient (N, C) in m's
-    dtype. ``quantiles`` are the proxy samples q (num_samples,) (the layer's cached quantiles); ``mean``,
+    """``normdense.layers.proxy_norm.coeff_map`` in one launch: ((A, B, K, L), residuals), each coefficient (N, C)
+    in m's dtype. ``quantiles`` are the proxy samples q (num_samples,) (the layer's cached quantiles); ``mean``,
     ``var``, ``positions`` and ``count`` are unused (GN+PN has no first stage)."""
     weight, bias, proxy_beta, proxy_gamma = params
     m, v = m.contiguous(), v.contiguous()

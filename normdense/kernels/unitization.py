@@ -1,5 +1,5 @@
 """Unitization's channel-sized coefficient map and its closed-form VJP as one Triton launch each: the Triton
-transcription of ``Unitization2d.coeff_map`` / ``coeff_vjp`` (Huang et al., "An Internal Covariate Shift
+transcription of ``normdense.layers.unitization.coeff_map`` / ``coeff_vjp`` (Huang et al., "An Internal Covariate Shift
 Bounding Algorithm for Deep Neural Networks by Unitizing Layers' Outputs", CVPR 2020, arXiv:2001.02814;
 Algorithm 2 lines 5-14, Eq. 16).
 
@@ -33,27 +33,30 @@ def _blocks(channels: int):
     return min(16, 1024 // block_c), block_c
 
 
+@triton.jit
+def _channels(rows, rmask, cols, C, mean_ptr, var_ptr, f, eps, dt):
+    """A (samples, channels) tile: (channel mask, tile mask, offsets, stage 1's mean, var * f + eps)."""
+    cmask = cols < C
+    mask = rmask[:, None] & cmask[None, :]
+    mean = tl.load(mean_ptr + cols, mask=cmask, other=0.0).to(dt)
+    den = tl.load(var_ptr + cols, mask=cmask, other=1.0).to(dt) * f + eps
+    return cmask, mask, rows[:, None] * C + cols[None, :], mean, den
+
+
 @triton.jit(do_not_specialize=['N', 'C'])
 def _coeff_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, b_ptr, a_ptr, bo_ptr, p_ptr, N, C,
                       eps_hi, eps_lo, k_hi, k_lo, f_hi, f_lo,
                       AFFINE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     dt = m_ptr.dtype.element_ty
-    eps = from_hi_lo(eps_hi, eps_lo, dt)
-    k = from_hi_lo(k_hi, k_lo, dt)
-    f = from_hi_lo(f_hi, f_lo, dt)
+    eps, k, f = from_hi_lo(eps_hi, eps_lo, dt), from_hi_lo(k_hi, k_lo, dt), from_hi_lo(f_hi, f_lo, dt)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     cols0 = tl.arange(0, BLOCK_C)
     # sum_c e rs^2 per sample (Algorithm 2 lines 9-10); padded lanes give e = 0
     s = tl.zeros([BLOCK_N], dtype=dt)
     for c0 in range(0, C, BLOCK_C):
-        cols = c0 + cols0
-        cmask = cols < C
-        mask = rmask[:, None] & cmask[None, :]
-        idx = rows[:, None] * C + cols[None, :]
-        mean = tl.load(mean_ptr + cols, mask=cmask, other=0.0).to(dt)
-        var = tl.load(var_ptr + cols, mask=cmask, other=1.0).to(dt)
-        rs2 = 1.0 / (var * f + eps)
+        cmask, mask, idx, mean, den = _channels(rows, rmask, c0 + cols0, C, mean_ptr, var_ptr, f, eps, dt)
+        rs2 = 1.0 / den
         mc = tl.load(m_ptr + idx, mask=mask, other=0.0) - mean[None, :]
         e = tl.load(v_ptr + idx, mask=mask, other=0.0) + mc * mc
         s += tl.sum(tl.where(mask, e * rs2[None, :], 0.0), axis=1)
@@ -61,13 +64,9 @@ def _coeff_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, b_ptr, 
     tl.store(p_ptr + rows, p, mask=rmask)
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + cols0
-        cmask = cols < C
-        mask = rmask[:, None] & cmask[None, :]
-        idx = rows[:, None] * C + cols[None, :]
-        mean = tl.load(mean_ptr + cols, mask=cmask, other=0.0).to(dt)
-        var = tl.load(var_ptr + cols, mask=cmask, other=1.0).to(dt)
+        cmask, mask, idx, mean, den = _channels(rows, rmask, cols, C, mean_ptr, var_ptr, f, eps, dt)
         alpha = tl.load(alpha_ptr + cols, mask=cmask, other=0.0).to(dt)
-        rs = tl.rsqrt(var * f + eps)
+        rs = tl.rsqrt(den)
         mc = tl.load(m_ptr + idx, mask=mask, other=0.0) - mean[None, :]
         scale = p[:, None] * alpha[None, :] + (1.0 - alpha)[None, :]
         if AFFINE:
@@ -89,9 +88,7 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, p_ptr, 
                       AFFINE: tl.constexpr, WANTS_STATS: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     dt = m_ptr.dtype.element_ty
-    eps = from_hi_lo(eps_hi, eps_lo, dt)
-    k = from_hi_lo(k_hi, k_lo, dt)
-    f = from_hi_lo(f_hi, f_lo, dt)
+    eps, k, f = from_hi_lo(eps_hi, eps_lo, dt), from_hi_lo(k_hi, k_lo, dt), from_hi_lo(f_hi, f_lo, dt)
     rows0 = tl.arange(0, BLOCK_N)
     cols0 = tl.arange(0, BLOCK_C)
     # this program's channels
@@ -119,11 +116,8 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, p_ptr, 
         t = tl.zeros([BLOCK_N], dtype=dt)
         for c0 in range(0, C, BLOCK_C):
             cj = c0 + cols0
-            cjm = cj < C
-            mask = rmask[:, None] & cjm[None, :]
-            idx = rows[:, None] * C + cj[None, :]
-            mean_j = tl.load(mean_ptr + cj, mask=cjm, other=0.0).to(dt)
-            rs_j = tl.rsqrt(tl.load(var_ptr + cj, mask=cjm, other=1.0).to(dt) * f + eps)
+            cjm, mask, idx, mean_j, den = _channels(rows, rmask, cj, C, mean_ptr, var_ptr, f, eps, dt)
+            rs_j = tl.rsqrt(den)
             coef = tl.load(alpha_ptr + cj, mask=cjm, other=0.0).to(dt) * rs_j
             if AFFINE:
                 coef = coef * tl.load(w_ptr + cj, mask=cjm, other=0.0).to(dt)
@@ -176,7 +170,7 @@ def _scalars(eps, positions, count, n, norm_divisor, var_correction):
 
 def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None, norm_divisor='hw',
               var_correction='none'):
-    """``Unitization2d.coeff_map`` in one launch: ((A, B), res) for y = A (x - m) + B, each (N, C).
+    """``normdense.layers.unitization.coeff_map`` in one launch: ((A, B), res) for y = A (x - m) + B, each (N, C).
 
     ``count`` (an int) marks batch statistics (its variance factor applies), None fixed ones (estimate mode,
     eval). ``res`` holds the inputs, p and the scalars: the VJP recomputes the rest.

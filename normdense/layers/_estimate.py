@@ -2,9 +2,11 @@
 with Batch-Channel Normalization and Weight Standardization" (arXiv:1903.10520), shared by every layer
 that normalizes with such estimates (BCN's ``mode='estimate'``, Unitization's ``mode='estimate'``).
 
-One place holds the update (:func:`update_estimates_`), the rate state and its range check
-(:class:`EstimateRateMixin`), and the loop-side setter (:func:`set_update_rate`); the hook that feeds r
-from the learning rate (``normdense.hooks.estimate_rate.EstimateRateHook``) dispatches on the mixin.
+Steps 1-4 in torch are ``normdense.kernels.aten.estimate_moments`` / ``estimate_step`` (the Triton stats
+kernel transcribes them); here: the rate state and its range check (:class:`EstimateRateMixin`), the
+once-per-iteration bookkeeping, the all-reduce of ``sync_stats``, and the loop-side setter
+(:func:`set_update_rate`); the hook that feeds r from the learning rate
+(``normdense.hooks.estimate_rate.EstimateRateHook``) dispatches on the mixin.
 
 The estimates move once per training iteration, however often a layer is called in it (a head shared over
 FPN levels, an activation checkpoint's recomputation in backward): :meth:`EstimateRateMixin.
@@ -20,6 +22,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from ..kernels.aten import estimate_moments, estimate_step
 
 # Shown wherever a layer has no rate: the hook's registered names (BCNRateHook is the older alias).
 RATE_HINT = ("add custom_hooks=[dict(type='EstimateRateHook')] (alias 'BCNRateHook'; r = the optimizer's "
@@ -44,79 +48,31 @@ def check_rate(rate, who: str = 'update rate r') -> float:
     return value
 
 
-def update_estimates_(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, rate: float,
-                      sync: bool = True) -> None:
-    """Steps 1-4 of Algorithm 1 as one stateless update of the buffers, in place, outside autograd (the
-    layers go through :class:`EstimateRateMixin`, which moves them once per iteration).
-
-    The variance is taken around the current estimate, which equals the batch variance plus the squared
-    distance of the batch mean from the estimate. With ``sync`` the per-channel sums are all-reduced so
-    every process applies the same update (exact also for unequal per-process batch sizes); a process with
-    no samples (a RoI head that got no RoIs) still joins the all-reduce, with a count of 0.
-    """
-    with torch.no_grad():
-        mean_b, second, count = local_moments(x, running_mean)
-        sums = _pack(mean_b, second, count)
-        if sync and world_size() > 1:
-            dist.all_reduce(sums)
-        _write(running_mean, running_var, *_moved(running_mean.to(sums.dtype), running_var.to(sums.dtype), sums,
-                                                   rate))
+def _pack(moments, count):
+    """(2C + 1): the count-weighted moments and the count, for an all-reduce. ``new_full``, not ``new_tensor``: a
+    tensor from Python data is a host-to-device copy (a sync on CUDA)."""
+    return torch.cat([moments.flatten() * count, moments.new_full((1, ), count)])
 
 
-def local_moments(x: torch.Tensor, base_mean: torch.Tensor):
-    """(per-channel mean of x, mean of (x - base_mean)^2, values per channel) in float32 for half inputs.
-
-    Taken on d = x - base_mean (step 2's second moment is around the estimate): no E[x^2] - E[x]^2
-    cancellation when a channel's mean is large against its spread."""
-    with torch.no_grad():
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        channels = xf.shape[1]
-        count = xf.numel() // channels if channels else 0
-        if not count:  # e.g. a RoI head that got no RoIs: contributes nothing (but joins the all-reduce)
-            zeros = xf.new_zeros(channels)
-            return zeros, zeros, 0
-        dims = [d for d in range(xf.dim()) if d != 1]
-        d = xf - base_mean.to(xf.dtype).view((1, -1) + (1, ) * (xf.dim() - 2))
-        return d.mean(dims) + base_mean.to(xf.dtype), d.square_().mean(dims), count
-
-
-def moments_around(m: torch.Tensor, v: torch.Tensor, positions: int, base_mean: torch.Tensor):
-    """:func:`local_moments` from the per-(sample, channel) mean ``m`` and biased variance ``v`` (N, C) over
-    ``positions`` values each (the fused layers have them already): the second moment around the
-    estimate is the mean over samples of v + (m - mu_hat)^2."""
-    with torch.no_grad():
-        count = m.shape[0] * positions
-        if not count:
-            zeros = m.new_zeros(m.shape[1])
-            return zeros, zeros, 0
-        return m.mean(0), (v + (m - base_mean.to(m.dtype)).square()).mean(0), count
-
-
-def _pack(mean_b, second, count):
-    # new_full, not new_tensor: a tensor from Python data is a host-to-device copy (a sync on CUDA)
-    return torch.cat([mean_b * count, second * count, mean_b.new_full((1, ), count)])
-
-
-def _moved(base_mean, base_var, sums, rate):
-    """Steps 3-4: the estimates moved by r towards the moments that ``sums`` (from :func:`_pack`) hold."""
-    channels = base_mean.shape[0]
+def _unpack(sums):
+    """(moments (2, C), count tensor) of all-reduced :func:`_pack` sums; no samples anywhere: moments 0, and a
+    zero rate where they are used (``total > 0``) instead of an ``if`` that reads the value (a sync)."""
     total = sums[-1]
-    # no samples anywhere: a zero rate instead of `if total == 0: return` (that reads the value: a sync)
-    rate = (total > 0).to(sums.dtype) * rate
-    total = total.clamp(min=1)
-    mean_b, second = sums[:channels] / total, sums[channels:2 * channels] / total
-    return base_mean + rate * (mean_b - base_mean), base_var + rate * (second - base_var)
+    return sums[:-1].view(2, -1) / total.clamp(min=1), total
 
 
-def _write(running_mean, running_var, mean, var):
-    running_mean.copy_(mean)
-    running_var.copy_(var)
+def _rate(rate: float, count, dtype):
+    """r, or 0 where no values stand behind the moments: for a tensor count (all-reduced) a tensor in ``dtype``
+    (r in float32 would be off by ~1e-8), not an ``if`` that reads it (a host sync)."""
+    if isinstance(count, torch.Tensor):
+        return (count > 0).to(dtype) * rate
+    return rate if count > 0 else 0.0
 
 
 # --- once per iteration ---------------------------------------------------------------------------------
 # A training iteration, for the estimates, ends when gradients have flowed back through any estimate-mode
 # layer, or when EstimateRateHook / set_update_rate / mark_iteration marks a new one; both bump this token.
-_TOKEN = [0]
+_TOKEN = [0]  # why: one counter shared by every layer and the hook, without a reference to either
 
 
 def mark_iteration() -> None:
@@ -137,15 +93,6 @@ def watch_backward(y: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def watch_estimate_call(layer, y: torch.Tensor) -> torch.Tensor:
-    """:func:`watch_backward` for a training output of an estimate-mode ``layer``, except where the Triton
-    backend's torch.library operator took the call under torch.compile: its backward ends the iteration when it
-    runs (a hook traced into a compiled backward cannot change Python state)."""
-    if torch.compiler.is_compiling() and layer.__dict__.get('_op_marks_iteration', False):
-        return y
-    return watch_backward(y)
-
-
 def in_backward() -> bool:
     """True while the autograd engine runs a backward pass on this thread: a forward then is an activation
     checkpoint's recomputation (torch.utils.checkpoint, both modes; mmdet/mmseg ``with_cp=True``)."""
@@ -161,7 +108,7 @@ class _Iteration:
         # base: (2, C) copy of (estimated mean, estimated variance) at the iteration's start; rate: r, read
         # once (a recomputation in backward uses the forward's)
         self.token, self.base, self.mean, self.var, self.rate = token, base, base[0], base[1], rate
-        self.total = None
+        self.total = None  # (moments (2, C), count) of the calls so far
         self.local, self.synced = [], []
 
     def synced_sums(self, local):
@@ -209,26 +156,54 @@ class EstimateRateMixin:
                                f"its estimates would never move: {RATE_HINT}")
         return self.current_rate
 
-    # --- the estimates, moved once per training iteration ------------------------------------------------
+    # --- the estimates, moved once per training iteration ----------------------------------------------
     def estimates_from_input(self, x: torch.Tensor):
-        """This training call's estimates (mean, var) from its input x (N, C, ...); see
-        :meth:`_estimates_for_call`."""
-        st = self._open_iteration()
-        if self.sync_stats and world_size() > 1:
-            return self._estimates_for_call(st, *local_moments(x, st.mean))
+        """This training call's estimates (mean, var) from its input x (N, C, ...), for the reference
+        compositions: the per-(n, c) moments of x, then :meth:`estimates_from_moments`."""
         with torch.no_grad():
-            mean_b, second, count = local_moments(x, st.mean)
-            return self._local_estimates(st, torch.stack([mean_b, second]), count)
+            xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+            x3 = xf.reshape(xf.shape[0], xf.shape[1], math.prod(xf.shape[2:]))
+            if x3.numel():
+                v, m = torch.var_mean(x3, dim=2, correction=0)
+            else:  # no values (a RoI head without RoIs): a count of 0 below
+                m = v = x3.new_zeros(x3.shape[:2])
+            return self.estimates_from_moments(m, v, x3.shape[2])
 
     def estimates_from_moments(self, m: torch.Tensor, v: torch.Tensor, positions: int):
-        """As :meth:`estimates_from_input`, from the per-(n, c) moments the fused path has already."""
+        """This training call's estimates (mean, var) from the per-(n, c) moments m, v (N, C) of its input.
+
+        Algorithm 1 with an iteration of several calls (a head shared over FPN levels, activation
+        checkpointing's recomputation): a call normalizes with the iteration's starting estimates moved by r
+        towards *its own* moments (steps 3-4 as if it were the iteration's only call: exactly Algorithm 1 for
+        one call, and the same for every call order); the buffers then hold the starting estimates moved by r
+        towards the moments of all the iteration's calls together (one move of r per iteration). With
+        ``sync_stats`` the moments are all-reduced first (exact for unequal batches; a process without samples
+        joins with a count of 0). A recomputation in backward returns the forward call's values and changes
+        nothing (no collective either: the forward's all-reduced moments are kept for it)."""
         st = self._open_iteration()
-        if self.sync_stats and world_size() > 1:
-            return self._estimates_for_call(st, *moments_around(m, v, positions, st.mean))
-        with torch.no_grad():  # one process: the same update in a handful of (2, C) ops
-            d = m - st.mean.to(m.dtype)
-            moved = torch.stack([m, torch.addcmul(v, d, d)]).mean(1)  # (batch mean, second moment around it)
-            return self._local_estimates(st, moved, m.shape[0] * positions)
+        with torch.no_grad():
+            count = m.shape[0] * positions
+            moments = estimate_moments(m, v, st.mean) if count else st.base.to(m.dtype) * 0
+            if self.sync_stats and world_size() > 1:
+                moments, count = self._all_reduced(st, moments, count)
+            call = estimate_step(st.base, moments, _rate(st.rate, count, moments.dtype))
+            if not in_backward():
+                if st.total is None:  # the iteration's first call: the buffers take its estimates
+                    self.running_mean.copy_(call[0])
+                    self.running_var.copy_(call[1])
+                self._record_call(st, moments, count)
+            return call[0], call[1]
+
+    def _all_reduced(self, st: '_Iteration', moments: torch.Tensor, count: int):
+        """(moments, count tensor) over every process; a recomputation in backward finds the forward's."""
+        local = _pack(moments, count)
+        if in_backward():
+            return _unpack(st.synced_sums(local))
+        synced = local.clone()
+        dist.all_reduce(synced)
+        st.local.append(local)
+        st.synced.append(synced)
+        return _unpack(synced)
 
     def _open_iteration(self, deferred: bool = False) -> _Iteration:
         """This training iteration's state, opened on its first call. ``deferred``: the caller's kernel fills
@@ -251,60 +226,21 @@ class EstimateRateMixin:
                 self.num_batches_tracked.add_(1)  # iterations, not calls
         return st
 
-    def _record_call(self, st: _Iteration, moments: torch.Tensor, count: int) -> None:
-        """After a call with moments (2, C) over ``count`` values whose buffers, as the iteration's first call,
-        are set already: the iteration's running total, and for a later call the buffers moved towards it."""
+    def _record_call(self, st: _Iteration, moments: torch.Tensor, count) -> None:
+        """After a call with moments (2, C) over ``count`` values (an int, or a tensor after an all-reduce) whose
+        buffers, as the iteration's first call, are set already: the iteration's running total, and for a later
+        call the buffers moved towards it."""
         if st.total is None:
             st.total = (moments, count)
             return
         with torch.no_grad():
             total, n = st.total
-            st.total = (torch.lerp(total.to(moments.dtype), moments, count / (n + count)), n + count)
-            moved = torch.lerp(st.base.to(moments.dtype), st.total[0], st.rate)
+            n = n + count
+            weight = count / n.clamp(min=1) if isinstance(n, torch.Tensor) else count / max(n, 1)
+            st.total = (torch.lerp(total.to(moments.dtype), moments, weight), n)
+            moved = estimate_step(st.base, st.total[0], _rate(st.rate, n, moments.dtype))
             self.running_mean.copy_(moved[0])
             self.running_var.copy_(moved[1])
-
-    def _local_estimates(self, st: _Iteration, moments, count: int):
-        """:meth:`_estimates_for_call` without a collective, ``moments`` = (mean, second moment) stacked (2, C),
-        ``count`` a Python int: the call's estimates lerp(start, moments, r), the buffers lerp(start, moments of
-        all the iteration's calls, r) (equal to the call's for the first call of an iteration)."""
-        base = st.base.to(moments.dtype)
-        call = torch.lerp(base, moments, st.rate) if count else base
-        if count and not in_backward():
-            if st.total is None:  # the iteration's first call: the buffers take its estimates
-                self.running_mean.copy_(call[0])
-                self.running_var.copy_(call[1])
-            self._record_call(st, moments, count)
-        return call[0], call[1]
-
-    def _estimates_for_call(self, st: _Iteration, mean_b, second, count):
-        """Algorithm 1 with an iteration of several calls (a head shared over FPN levels, activation
-        checkpointing's recomputation).
-
-        A call normalizes with the iteration's starting estimates moved by r towards *its own* moments
-        (steps 3-4 as if it were the iteration's only call: exactly Algorithm 1 for one call, and the same
-        for every call order); the buffers then hold the starting estimates moved by r towards the moments
-        of all the iteration's calls together (one move of r per iteration). A recomputation in backward
-        returns the forward call's values bit for bit and changes nothing: no update, no collective (with
-        ``sync_stats`` it finds the forward's all-reduced moments among those kept for this iteration)."""
-        with torch.no_grad():
-            base_mean, base_var = st.mean.to(mean_b.dtype), st.var.to(mean_b.dtype)
-            local = _pack(mean_b, second, count)
-            backward = in_backward()
-            synced = local
-            if self.sync_stats and world_size() > 1:
-                if backward:
-                    synced = st.synced_sums(local)
-                else:
-                    synced = local.clone()
-                    dist.all_reduce(synced)
-                    st.local.append(local)
-                    st.synced.append(synced)
-            if not backward:
-                st.total = synced if st.total is None else st.total + synced
-                _write(self.running_mean, self.running_var,
-                       *_moved(base_mean, base_var, st.total, st.rate))
-            return _moved(base_mean, base_var, synced, st.rate)
 
     def _load_from_state_dict(self, *args, **kwargs):
         self.__dict__.pop('_iteration', None)  # new estimates: the next call starts a new iteration from them

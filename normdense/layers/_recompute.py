@@ -1,40 +1,25 @@
-"""The layers' ``recompute`` option: keep only a layer's input for backward and recompute the rest.
+"""IterNorm's ``recompute`` option: keep only the layer's input for backward and recompute the rest.
 
-BCN, GNPN, IterNorm and Unitization are compositions of autograd ops that each save their own input
-(e.g. BCN: the first-stage affine saves x, the group norm saves the affine's output), so plain autograd
-holds 2-3 activation-sized tensors per layer from forward to backward where ``nn.GroupNorm`` holds one.
-With ``recompute=True`` the differentiable part of a layer runs as one autograd function
-(:func:`checkpoint_once`) whose forward runs without building a graph and keeps only its tensor
-arguments (the layer's input, its parameters and a few channel-sized statistics); its backward runs the
-part again with autograd and differentiates that. This is activation checkpointing: the output and the
-gradients are the same ops on the same values as plain autograd's.
+IterNorm is a composition of autograd ops that each save their input, so plain autograd holds several
+activation-sized tensors where ``nn.GroupNorm`` holds one (the StatNorm layers need no such option: their
+engine keeps only x). :func:`checkpoint_once` runs the differentiable part as one autograd function whose
+forward keeps only its tensor arguments (input, parameters, channel-sized statistics) and whose backward runs
+the part again with autograd: activation checkpointing, the same ops on the same values as plain autograd's.
 
-What a layer must guarantee for that (each layer's forward does it):
-
-* Side effects happen once. Running statistics / estimates are updated either before the recomputable
-  call (BCN and Unitization estimate mode) or inside it only on the first call (``first=True``, the
-  forward); the recomputation in backward gets ``first=False`` and must not touch any buffer.
-* The recomputation sees what the forward saw. Everything it needs comes in as an argument: the input,
-  the parameters (so e.g. ``torch.func.functional_call`` works), and *copies* taken at forward time of
-  anything read from mutable state (estimates, running buffers), never the buffers themselves: a layer
-  called several times per iteration (a shared head over the FPN levels) updates its buffers in place
-  between its forward and its backward (autograd's version check would also reject that). Mode flags
-  (``training``) are fixed at forward time as well.
-* No random numbers: none of these layers draws any (GNPN's proxy samples are deterministic quantiles),
-  so no RNG state is saved or restored.
-
-The autocast state of the forward (CPU and the input's device) is captured and restored for the
-recomputation. Gradients of gradients (double backward) are not supported and raise.
-
-``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` would do the same; measured on CPU it adds
-0.4-0.9 ms per call (saved-tensor hooks, recompute bookkeeping) to layers that take 0.5-5 ms, where this
-function adds about the cost of one more forward of the layer.
+What the layer guarantees: side effects once (running statistics updated only when ``first=True``, the
+forward); the recomputation sees what the forward saw (everything as arguments: parameters, so
+``torch.func.functional_call`` works, and copies of mutable state; ``training`` fixed at forward time); no
+random numbers (no RNG state saved). The forward's autocast state is restored for the recomputation; double
+backward raises. ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` would do the same at a higher
+fixed cost per call (docs/performance.md).
 """
 from typing import Callable, Dict, Tuple
 
 import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
+
+from ._statnorm import device_autocast
 
 
 def recompute_active(module: nn.Module, x: torch.Tensor) -> bool:
@@ -46,29 +31,11 @@ def recompute_active(module: nn.Module, x: torch.Tensor) -> bool:
     return x.requires_grad or any(p.requires_grad for p in module.parameters())
 
 
-def _device_autocast(device_type: str) -> Tuple[bool, torch.dtype]:
-    if hasattr(torch, 'get_autocast_dtype'):  # torch >= 2.4: per-device-type queries
-        return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
-    if device_type == 'cpu':
-        return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
-    if device_type == 'cuda':
-        return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
-    raise RuntimeError(f'no autocast state query for {device_type!r} before torch 2.4')
-
-
-def autocast_enabled(device_type: str) -> bool:
-    """Whether autocast is on for ``device_type`` (any torch version; False where it has no autocast)."""
-    try:
-        return _device_autocast(device_type)[0]
-    except RuntimeError:
-        return False
-
-
 def _autocast_state(tensors) -> Dict[str, Tuple[bool, torch.dtype]]:
     state = {}
     for d in {'cpu'} | {t.device.type for t in tensors}:
         try:
-            state[d] = _device_autocast(d)
+            state[d] = device_autocast(d)
         except RuntimeError:  # a device type without autocast support (e.g. 'meta')
             pass
     return state

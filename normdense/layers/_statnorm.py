@@ -1,168 +1,379 @@
-"""The StatNorm engine: one training/eval pipeline for the norms that are "per-(sample, channel) moments,
-then a per-(sample, channel) map" (BCN, GN+PN, Unitization), the default (``fused=True``) path of those
-layers. Their composition of torch ops (``fused=False``) stays as the reference the tests compare against.
+"""The StatNorm engine: the training/eval pipeline of the norms that are "per-(sample, channel) moments, then a
+per-(sample, channel) map" (BCN, GN+PN, Unitization). For x viewed as (N, C, L) with L positions:
 
-For x viewed as (N, C, L) with L positions:
+    m, v           = mean and biased variance of x[n, c, :]                  backend.moments / stats
+    mean, var      = the first stage's per-channel statistics                 here, once per forward
+    A, B [, K, L'] = coeff_map(m, v, mean, var, parameters)                  the layer's file: pure, (N, C)
+    y              = A (x - m) + B    or    K act(A (x - m) + B) + L'        backend.apply
 
-    m, v         = mean and biased variance of x[n, c, :]                     (backend: one reduction)
-    mean, var    = the first stage's per-channel statistics                    (engine, once per forward)
-    A, B [, K, L'] = coeff_map(m, v, mean, var, parameters)                   (layer: pure, (N, C)-sized)
-    y            = A (x - m) + B    or    K act(A (x - m) + B) + L'           (backend: one pass)
-
-``mean, var`` are the running estimates (estimate mode, Algorithm 1 of arXiv:1903.10520: moved once per
-training iteration by ``_estimate.py``), the running statistics (eval) or the batch moments (batch mode,
-all-reduced across processes with ``sync_stats``; the running statistics tracked here, once per forward).
-None of that happens inside ``coeff_map``, which has no side effects, no collective and no parameters but
-its arguments; each layer gives its closed-form vector-Jacobian product ``coeff_vjp`` (no autograd in
-backward). Backward, with t = x - m, dm/dx = 1/L and dv/dx = 2 t / L:
+``mean, var`` are the running estimates (estimate mode, Algorithm 1 of arXiv:1903.10520, moved once per
+training iteration: ``_estimate.py``), the running statistics (eval) or the batch moments (batch mode,
+all-reduced across processes with ``sync_stats``; the running statistics tracked). The backend computes them
+from m, v in its stats step (the Triton backend in its stats kernel); the collectives of ``sync_stats`` are
+torch code here, between the same backend steps. Backward, with t = x - m, dm/dx = 1/L, dv/dx = 2 t / L:
 
     dx = A g + (2 dv t + dm - A sum_l g) / L,     g = dy     (g = dy K act'(A t + B) with an activation)
 
-where dm, dv and the parameter gradients are ``coeff_vjp`` of the channel-sized sums sum_l g t, sum_l g
-(and sum_l dy act(.), sum_l dy), plus, in batch mode, the VJP of the batch moments (an all-reduce of the
-moment gradients with ``sync_stats``). Only x (in its own dtype) and channel-sized tensors are kept for
-backward: the activation memory of one nn.GroupNorm. The moments and coefficients are float32 for fp16/bf16
-inputs (float64 for float64 ones).
+where dm, dv and the parameter gradients are the layer's closed-form ``coeff_vjp`` of the channel-sized sums
+(backend.sums), plus, in batch mode, the VJP of the batch statistics. Only x (in its own dtype) and
+channel-sized tensors are kept for backward: the activation memory of one nn.GroupNorm.
 
-A layer subclasses :class:`StatNorm2d` and defines ``_statnorm_params``, ``coeff_map`` and ``coeff_vjp``
-(and, where it differs, ``_first_stage``, ``_statnorm_act``, ``_statnorm_dtypes``); nothing here names a
-layer. The backends (``_fused.py``: ATen; ``_compiled.py``: torch.compile) sit below and import nothing
-above them.
+The backends (``normdense/kernels/aten.py``, ``triton.py``) and the torch.compile operator
+(``kernels/torch_op.py``) import nothing from ``layers/``; one autograd Function (:class:`_StatNormFn`) runs
+either, and only tensors and plain values cross it.
 """
-import warnings
-from typing import Tuple
+import types
+from typing import Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from ..kernels.backend import selected_backend
-from ._estimate import in_backward, world_size
-from ._fused import compute_dtype, moments
-from ._statnorm_aten import _aten_kernels, _centred, _reshaped_base, _StatNormFn, batch_moments
+from ..kernels import backend as _backend
+from ..kernels.aten import STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, AtenBackend, tracked
+from ..kernels.backend import check_backend, selected_backend
+from ._estimate import in_backward, mark_iteration, watch_backward, world_size
 
-FIRST_STAGES = ('none', 'estimate', 'batch')
+_HALF = (torch.float16, torch.bfloat16)
+# why: the reference composition's output dtype under autocast, found once per key on a tiny input
+_AUTOCAST_DTYPES = {}  # (device type, input dtype, batch statistics, autocast dtype) -> output dtype
 
 
-class StatNorm2d:
-    """Mixin of the engine's layers (before ``nn.Module`` / ``nn.GroupNorm`` in the bases).
+class StatNorm2d(nn.Module):
+    """Base class of BCN, GN+PN and Unitization: their flags, buffers, dtype policy and the engine.
 
-    The layer sets ``fused``, ``compiled`` and, with a first stage, ``mode``, ``eps``, ``momentum``,
-    ``sync_stats`` and the ``running_mean`` / ``running_var`` buffers (``num_batches_tracked`` optional,
-    ``momentum=None`` then averages cumulatively). It defines:
+    A layer calls :meth:`_init_statnorm` in its constructor and defines ``_statnorm_params()`` (the parameters
+    its coefficients depend on, tensors or None, in order) and ``_coeff_maps(triton)``: the pure coefficient
+    map and its closed-form VJP as plain callables (its file's functions bound to its configuration, or their
+    Triton transcriptions)::
 
-    * ``_statnorm_params()``: the parameters the coefficients depend on (tensors or None), in order;
-    * ``coeff_map(m, v, mean, var, params, positions, count)`` -> ``(coeffs, residuals)``: pure;
-      ``coeffs`` = (A, B) or (A, B, K, L), each (N, C); ``mean, var`` (C,) or None without a first stage;
-      ``count`` the values per channel behind batch statistics (an int, or a tensor when all-reduced);
-    * ``coeff_vjp(residuals, grads, wants_stats)`` -> ``(dm, dv, dmean, dvar, dparams)`` for ``grads`` the
-      gradients of the coefficients (gA, gB[, gK, gL], each (N, C)); dmean, dvar only when ``wants_stats``
-      (batch statistics), else None.
+        coeff_map(m, v, mean, var, params, positions, count) -> ((A, B[, K, L]), residuals)
+        coeff_vjp(residuals, grads, wants_stats) -> (dm, dv, dmean, dvar, dparams)
+
+    ``mean, var`` are (C,) or None without a first stage; ``count`` the values per channel behind batch
+    statistics (an int, a tensor when all-reduced, None otherwise); dmean, dvar only when ``wants_stats``.
     """
-    _FIRST_STAGE = 'estimate_or_batch'  # 'none': no per-channel first stage (GN+PN)
+    _FIRST_STAGE = True  # per-channel statistics before the map (GN+PN: none)
     _SYNC_BATCH = False  # batch-mode statistics all-reduced with sync_stats (BCN)
 
-    # --- what a layer may override ---------------------------------------------------------------------
+    def _init_statnorm(self, num_features: int, mode: Optional[str], sync_stats: bool, fused: bool,
+                       backend: Optional[str], momentum=None, num_batches_tracked: bool = False) -> None:
+        self.mode, self.sync_stats, self.momentum = mode, bool(sync_stats), momentum
+        self.fused = bool(fused)
+        self.backend = check_backend(backend, f'{type(self).__name__} backend')
+        if self._FIRST_STAGE:  # 'batch': eval statistics; 'estimate': the estimates mu_hat, sigma_hat^2
+            self.register_buffer('running_mean', torch.zeros(num_features))
+            self.register_buffer('running_var', torch.ones(num_features))
+            if num_batches_tracked:
+                self.register_buffer('num_batches_tracked', torch.tensor(0, dtype=torch.long))
+
     def _statnorm_act(self):
         return None
 
+    def _output_dtype(self, x: torch.Tensor) -> torch.dtype:
+        return x.dtype
+
+    @staticmethod
+    def _autocast_dtype(x: torch.Tensor, batch_stats: bool) -> torch.dtype:
+        """The output dtype of a composition of F.batch_norm (``batch_stats``) and F.group_norm on x: under
+        autocast they follow the device's autocast policy (e.g. float32 on CUDA)."""
+        if not autocast_enabled(x.device.type):
+            return x.dtype
+        key = (x.device.type, x.dtype, batch_stats, device_autocast(x.device.type)[1])
+        if key not in _AUTOCAST_DTYPES:
+            with torch.no_grad():
+                probe = torch.ones(2, 2, 1, 1, dtype=x.dtype, device=x.device)
+                w = torch.ones(2, device=x.device)
+                if batch_stats:
+                    probe = nn.functional.batch_norm(probe, None, None, w, w, True)
+                _AUTOCAST_DTYPES[key] = nn.functional.group_norm(probe, 1, w, w).dtype
+        return _AUTOCAST_DTYPES[key]
+
     def _statnorm_dtypes(self, x: torch.Tensor) -> Tuple[torch.dtype, torch.dtype]:
-        """(compute dtype, output dtype) for input x."""
-        return compute_dtype(x), x.dtype
+        """(compute dtype, output dtype): the moments, statistics and coefficients in float64 where x or a
+        parameter is float64, else float32 (sums over positions overflow or round away in fp16/bf16)."""
+        wide = x.dtype == torch.float64 or any(p is not None and p.dtype == torch.float64
+                                               for p in self._statnorm_params())
+        return (torch.float64 if wide else torch.float32), self._output_dtype(x)
 
-    def _track(self, mean: torch.Tensor, var: torch.Tensor, count) -> None:
-        """Batch mode: running statistics (unbiased variance, as nn.BatchNorm), once per forward; ``count``
-        values per channel (a tensor after an all-reduce: 0 everywhere leaves the statistics)."""
-        with torch.no_grad():
-            rm, rv = self.running_mean, self.running_var
-            nbt = self._buffers.get('num_batches_tracked')
-            if nbt is not None:
-                nbt.add_(1)
-            # 1 / count in the buffers' dtype: (1.0 / nbt) would be float32 (an int tensor's true division)
-            weight = self.momentum if self.momentum is not None else nbt.to(rm.dtype).reciprocal()
-            if isinstance(count, torch.Tensor):
-                unbiased = var * count / (count - 1).clamp(min=1)
-                weight = (count > 0).to(rm.dtype) * weight
-            else:
-                unbiased = var * (count / (count - 1))
-            rm.lerp_(mean.to(rm.dtype), weight)
-            rv.lerp_(unbiased.to(rv.dtype), weight)
+    def _statnorm_repr(self) -> str:
+        return ('' if self.fused else ', fused=False') + (f', backend={self.backend!r}' if self.backend else '')
 
-    # --- the engine -------------------------------------------------------------------------------------
-    def _statnorm_kernels(self):
-        act = self._statnorm_act()
-        if self.compiled:
-            from ._compiled import CompiledKernels  # torch.compile imported only when asked for
-            return CompiledKernels.get(act)
-        return _aten_kernels(act)
-
-    def _first_stage_kind(self) -> str:
-        if self._FIRST_STAGE == 'none':
-            return 'none'
-        return 'batch' if self.mode == 'batch' and self.training else 'fixed'
-
+    # --- forward --------------------------------------------------------------------------------------------
     def _statnorm_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's output on a non-empty x (N, C, *positions)."""
-        if not self.compiled and selected_backend(self, x) == 'triton':
-            if torch.compiler.is_compiling():  # one torch.library operator for the compiler
-                from ._statnorm_compile import compiled_call
-                return compiled_call(self, x)
-            from ._statnorm_triton import triton_forward  # triton imported only when it runs
-            y = triton_forward(self, x)
-            if y is not None:  # None: a kernel failed to compile, the ATen backend takes over
-                return y
+        if torch.compiler.is_compiling():  # one opaque operator for the compiler
+            from ..kernels.torch_op import compiled_call
+            if self.mode == 'estimate' and self.training:
+                self.__dict__['_op_marks_iteration'] = True  # its backward ends the iteration
+            return compiled_call(self, x)
+        return self._statnorm_eager(x)
+
+    def _statnorm_eager(self, x: torch.Tensor, keep: Optional[list] = None) -> torch.Tensor:
+        """The output by the selected backend. ``keep`` (a list): no autograd graph; (backward state, backward
+        function) is appended to it instead (the torch.compile operator)."""
+        if selected_backend(self, x) == 'triton':
+            from ..kernels.triton import TritonBackend  # triton imported only when it runs
+            try:
+                return self._run(x, TritonBackend, keep)
+            except _backend.compile_errors() as e:  # under 'auto': the ATen backend takes this call and the next
+                _backend.give_up_triton(self.backend, e)
+                st = self.__dict__.get('_iteration')
+                if st is not None and st.total is None:  # opened by this call, its base never filled
+                    self.__dict__.pop('_iteration')
+        return self._run(x, AtenBackend, keep)
+
+    def _run(self, x, be, keep):
         shape = x.shape
         cd, out_dtype = self._statnorm_dtypes(x)
         with torch.autocast(x.device.type, enabled=False):
             x3 = x.reshape(shape[0], shape[1], -1)
-            if x3.dtype != cd and x3.dtype not in (torch.float16, torch.bfloat16):
-                x3 = x3.to(cd)  # e.g. float32 x with float64 parameters (GN+PN computes in float64 then)
-            kernels = self._statnorm_kernels()
-            m, v, buf = moments(x3)
-            m, v = m.to(cd), v.to(cd)
-            stats = self._first_stage_stats(m, v, x3.shape[2])
+            if x3.dtype != cd and x3.dtype not in _HALF:
+                x3 = x3.to(cd)  # e.g. float32 x with float64 parameters
+            if be is not AtenBackend:
+                x3 = x3.contiguous()
+            part = be.moments(x3)
+            m, v, stats, write, nbt, record = self._first_stage(be, part, x3.shape)
             params = tuple(self._statnorm_params())
+            # the layer's Triton maps, or its torch ones where the statistics come from a collective
+            triton = be is not AtenBackend and not isinstance(stats[3], torch.Tensor)
+            call = types.SimpleNamespace(
+                backend=be, maps=self._coeff_maps(triton), fallback_maps=self._coeff_maps(False) if triton else None,
+                option=self.backend, act=self._statnorm_act(), m=m, v=v, stats=stats, out_dtype=out_dtype,
+                ends_iteration=self.mode == 'estimate' and self.training)
+            effects = [write, nbt, part[2] if be is AtenBackend else None]  # the last: storage y may take
             needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(
                 p is not None and p.requires_grad for p in params))
-            if not needs_grad:  # eval / no_grad: nothing kept
-                coeffs, _ = self.coeff_map(m, v, stats[1], stats[2], params, x3.shape[2], stats[3])
-                y = kernels.forward(x3, m, _centred(coeffs, v > 0), buf)
-                return _reshaped_base(y if y.dtype == out_dtype else y.to(out_dtype), shape)
-            # buf in a list: a tensor argument returned as the output would make the output a view of an input
-            y = _StatNormFn.apply(x3, self, kernels, m, v, [buf], stats, out_dtype, *params)
-        return y.view(shape)
+            if keep is not None:
+                ctx = types.SimpleNamespace(needs_input_grad=(True, ))
+                y = _forward(ctx, x3, call, effects, params)
+                ctx.saved_tensors = (x3, )
+                keep.append((ctx, _op_backward))
+                needs_grad = False
+            elif not needs_grad:  # eval / no_grad: nothing kept
+                coeffs = call.maps[0](m, v, stats[1], stats[2], params, x3.shape[2], stats[3])[0]
+                y = be.apply(x3, m, v, be.prepare(coeffs, v), call.act, out_dtype, *effects)
+            else:  # the list: a tensor argument returned as the output would make the output a view of an input
+                y = _StatNormFn.apply(x3, call, effects, *params)
+        if record is not None:
+            record()  # after the kernels ran: the iteration's bookkeeping in Python
+        return _reshaped_base(y, shape) if not needs_grad else y.view(shape)
 
-    def _first_stage_stats(self, m, v, positions):
-        """(kind, mean, var, count): the first stage's statistics for this call, with their side effects
-        (estimate update, tracking, the forward's all-reduce) done here, once."""
-        kind = self._first_stage_kind()
-        if kind == 'none':
-            return kind, None, None, None
-        if kind == 'fixed':
-            if self.mode == 'estimate' and self.training:
-                mean, var = self.estimates_from_moments(m, v, positions)
-            else:  # copies: constants of this call, whatever later calls do to the buffers
-                mean, var = self.running_mean.clone(), self.running_var.clone()
-            return kind, mean.to(m.dtype), var.to(m.dtype), None
-        synced = self._SYNC_BATCH and self.sync_stats and world_size() > 1
-        mean, var, count = batch_moments(m, v, positions, synced)
-        if not in_backward():  # a checkpoint's recomputation tracks nothing: the forward did
+    def _first_stage(self, be, part, shape):
+        """(m, v, stats, write, nbt, record): the moments, the statistics (kind, mean, var, count), what the
+        backend's apply writes into the buffers last, the num_batches_tracked it counts, and a Python step for
+        after the kernels. The estimate update, tracking and the forward's all-reduce: here, once per call."""
+        none = (None, None, None)
+        if not self._FIRST_STAGE:
+            m, v = be.stats(part, shape)[:2]
+            return m, v, ('none', None, None, None), *none
+        rm, rv, nbt = self.running_mean, self.running_var, self._buffers.get('num_batches_tracked')
+        if not self.training:
+            m, v, mean, var = be.stats(part, shape, STATS_FIXED, rm, rv)[:4]
+            return m, v, ('fixed', mean, var, None), *none
+        estimate = self.mode == 'estimate'
+        if self.sync_stats and world_size() > 1 and (estimate or self._SYNC_BATCH):
+            m, v = be.stats(part, shape)[:2]
+            return m, v, self._synced_stats(m, v, shape[2]), *none
+        count = shape[0] * shape[2]
+        backward = in_backward()  # a checkpoint's recomputation: the forward's values, no state change
+        if estimate:  # Algorithm 1, once per iteration
+            st = self._open_iteration(deferred=True)
+            first = st.total is None and not backward
+            m, v, mean, var, moved, upd = be.stats(part, shape, STATS_ESTIMATE, rm, rv, st.base, rate=st.rate,
+                                                  write=first)
+            record = None if backward else (lambda: self._record_call(st, moved, count))
+            return m, v, ('fixed', mean, var, None), (upd, rm, rv) if first else None, \
+                nbt if first else None, record
+        m, v, mean, var, _, upd = be.stats(part, shape, STATS_BATCH, rm, rv, momentum=self.momentum,
+                                           write=not backward, nbt=nbt)
+        return m, v, ('batch', mean, var, count), None if backward else (upd, rm, rv), \
+            None if backward else nbt, None
+
+    def _synced_stats(self, m, v, positions):
+        """The first stage across processes (torch code around the collectives), its side effects done."""
+        if self.mode == 'estimate':
+            mean, var = self.estimates_from_moments(m, v, positions)
+            return 'fixed', mean.to(m.dtype), var.to(m.dtype), None
+        mean, var, count = synced_batch_moments(m, v, positions)
+        if not in_backward():
             self._track(mean, var, count)
-        return ('synced' if synced else 'batch'), mean, var, count
+        return 'synced', mean, var, count
+
+    def _track(self, mean: torch.Tensor, var: torch.Tensor, count) -> None:
+        """Batch mode, outside the backends' stats step (the collective path, the reference compositions): the
+        running statistics after a batch of ``count`` values per channel (a tensor after an all-reduce)."""
+        with torch.no_grad():
+            nbt = self._buffers.get('num_batches_tracked')
+            tracked(mean, var, count, self.momentum, nbt)(self.running_mean, self.running_var)
+            if nbt is not None:
+                nbt.add_(1)
+
+    def _watch(self, y: torch.Tensor) -> torch.Tensor:
+        """A training output of an estimate-mode layer: a backward through it ends the iteration, except where
+        the torch.compile operator took the call (its backward does: a hook traced into a compiled backward
+        cannot change Python state)."""
+        if not (self.mode == 'estimate' and self.training):
+            return y
+        if torch.compiler.is_compiling() and self.__dict__.get('_op_marks_iteration', False):
+            return y
+        return watch_backward(y)
 
 
-def warn_recompute_deprecated(layer: str) -> None:
-    warnings.warn(f'{layer}(recompute=True) is deprecated and has no effect: the fused path (the default) keeps '
-                  'only the input for backward already; drop recompute, or set fused=False to recompute the '
-                  'reference composition', DeprecationWarning, stacklevel=3)
+# --- the autograd Function ------------------------------------------------------------------------------------
+def _forward(ctx, x3, call, effects, params):
+    kind, mean, var, count = call.stats
+    coeffs, res = call.maps[0](call.m, call.v, mean, var, params, x3.shape[2], count)
+    ctx.call, ctx.pc, ctx.res, ctx.params = call, call.backend.prepare(coeffs, call.v), res, params
+    ctx.param_dtypes = [None if p is None else p.dtype for p in params]
+    return call.backend.apply(x3, call.m, call.v, ctx.pc, call.act, call.out_dtype, *effects)
+
+
+def _backward(ctx, x3, dy):
+    """(dx, dparams) for dy in x3's shape and dtype."""
+    call, pc = ctx.call, ctx.pc
+    be, m, v, act = call.backend, call.m, call.v, call.act
+    kind, mean, var, count = call.stats
+    grads, state = be.sums(x3, dy, m, v, pc, act)
+    dm, dv, dmean, dvar, dparams = call.maps[1](ctx.res, grads, kind in ('batch', 'synced'))
+    if kind == 'synced':  # every process joins the VJP's all-reduces, whether it needs dx or not
+        dm, dv = synced_batch_moments_vjp(m, mean, count, x3.shape[2], dm, dv, dmean, dvar)
+    dx = None
+    if ctx.needs_input_grad[0]:
+        batch = (mean, dmean, dvar, 1.0 / x3.shape[0]) if kind == 'batch' else None
+        dx = be.dx(x3, dy, m, v, pc, dm, dv, grads[1], act, batch, state)
+    dparams = [None if d is None or t is None else d.to(t) for d, t in zip(dparams, ctx.param_dtypes)]
+    return dx, dparams
+
+
+def _backward_or_fallback(ctx, dy):
+    x3, = ctx.saved_tensors
+    with torch.autocast(x3.device.type, enabled=False):
+        dy = dy.reshape(x3.shape)  # dy may be expanded (the grad of a sum)
+        dy = dy if dy.dtype == x3.dtype else dy.to(x3.dtype)
+        call = ctx.call
+        if call.backend is not AtenBackend:
+            dy = dy.contiguous()  # once, for both backward passes
+        errors = _backend.compile_errors() if call.backend is not AtenBackend else ()
+        try:
+            return _backward(ctx, x3, dy)
+        except errors as e:  # a Triton backward kernel failed to compile: ATen, from the same statistics
+            _backend.give_up_triton(call.option, e)
+            ctx.call = call = types.SimpleNamespace(**{**vars(call), 'backend': AtenBackend,
+                                                       'maps': call.fallback_maps})
+            kind, mean, var, count = call.stats
+            coeffs, ctx.res = call.maps[0](call.m, call.v, mean, var, ctx.params, x3.shape[2], count)
+            ctx.pc = AtenBackend.prepare(coeffs, call.v)
+            return _backward(ctx, x3, dy)
+
+
+def _op_backward(ctx, dy):
+    """The torch.compile operator's backward of a forward it ran with ``keep``."""
+    out = _backward_or_fallback(ctx, dy)
+    if ctx.call.ends_iteration:  # as the hook of StatNorm2d._watch in eager mode
+        mark_iteration()
+    return out
+
+
+class _StatNormFn(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x3, call, effects, *params):
+        ctx.save_for_backward(x3)  # x only: channel-sized tensors are kept as attributes
+        return _forward(ctx, x3, call, effects, params)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        dx, dparams = _backward_or_fallback(ctx, dy)
+        return (dx, None, None, *dparams)
+
+
+# --- batch statistics across processes ------------------------------------------------------------------------
+def synced_batch_moments(m: torch.Tensor, v: torch.Tensor, positions: int):
+    """Per-channel mean and biased variance over every process's batch from the per-(n, c) moments, and the
+    count of values per channel (a tensor), in two all-reduces: the squares around the global mean, so no
+    E[x^2] - E[x]^2 cancellation. Outside autograd."""
+    with torch.no_grad():
+        count = m.new_full((1, ), m.shape[0] * positions)  # not new_tensor: no host-to-device copy
+        packed = torch.cat([m.sum(0) * positions, count])
+        dist.all_reduce(packed)
+        total = packed[-1]
+        mean = packed[:-1] / total.clamp(min=1)
+        d = m - mean
+        sq = torch.addcmul(v, d, d).sum(0) * positions
+        dist.all_reduce(sq)
+        return mean, sq / total.clamp(min=1), total
+
+
+def synced_batch_moments_vjp(m, mean, count, positions, dm, dv, dmean, dvar):
+    """dm, dv plus the VJP of :func:`synced_batch_moments` for (dmean, dvar): the all-reduces of the moment
+    gradients, in the order and sizes autograd of the forward's all-reduces issues them (var's C, then the
+    packed C + 1), so that a process taking the reference path (an empty input) pairs with them."""
+    d = m - mean
+    total = count.clamp(min=1)
+    g_sq = dvar / total
+    dist.all_reduce(g_sq)
+    g_mean = dmean - (2 * positions) * g_sq * d.sum(0)  # through sq's (x - mean)
+    packed = torch.cat([g_mean / total, g_mean.new_zeros(1)])  # the count's slot: not differentiated
+    dist.all_reduce(packed)
+    dm = dm + torch.addcmul(positions * packed[:-1], d, g_sq, value=2 * positions)
+    return dm, dv + positions * g_sq
+
+
+def _reshaped_base(y: torch.Tensor, shape) -> torch.Tensor:
+    """The fresh tensor y in ``shape`` as a tensor of its own, not a view: under no_grad, e.g. the forward of
+    a reentrant activation checkpoint (mmdet's ``with_cp``), a view returned out of the checkpoint's Function
+    could not be modified in place (a residual ``+=``, a following ReLU(inplace))."""
+    if not y.is_contiguous():
+        return y.reshape(shape)
+    strides = torch.empty(0).new_empty(shape, device='meta').stride()
+    return y.new_empty(0).set_(y.untyped_storage(), y.storage_offset(), shape, strides)
+
+
+def check_group_values(x: torch.Tensor, num_channels: int, num_groups: int, layer: str) -> None:
+    """Group normalization of a group holding a single value outputs its bias alone, with a zero gradient
+    to everything before it (torch's own group_norm accepts it silently): say why and what to change.
+
+    The group statistics are per sample, so what counts is a group's values *within one sample*:
+    channels per group x H x W, whatever the batch size (a batch of 2 on a 1x1 map with one channel per
+    group is as degenerate as a batch of 1). An empty batch has no group to normalize and passes.
+    Shapes only, no host sync."""
+    per_group = num_channels // num_groups
+    values = per_group
+    for size in x.shape[2:]:
+        values *= size
+    if values == 1 and x.shape[0] > 0:
+        raise ValueError(
+            f'{layer}: each group holds a single value per sample (input {tuple(x.shape)}, {per_group} channel '
+            f'per group), which group normalization maps to its bias alone; use num_groups <= '
+            f'{max(num_channels // 2, 1)} (>= 2 channels per group) for 1x1 maps or (N, C) inputs')
+
+
+def device_autocast(device_type: str) -> Tuple[bool, torch.dtype]:
+    if hasattr(torch, 'get_autocast_dtype'):  # torch >= 2.4: per-device-type queries
+        return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    if device_type == 'cpu':
+        return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+    if device_type == 'cuda':
+        return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
+    raise RuntimeError(f'no autocast state query for {device_type!r} before torch 2.4')
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` (any torch version; False where it has no autocast)."""
+    try:
+        return device_autocast(device_type)[0]
+    except RuntimeError:
+        return False
 
 
 def set_fused(module: nn.Module, fused: bool = True) -> int:
-    """Switch every StatNorm layer (BCN, GN+PN, Unitization, ...) in ``module`` between the fused path (True)
-    and the reference composition (False); returns how many were switched."""
+    """Switch every StatNorm layer (BCN, GN+PN, Unitization) in ``module`` between the engine (True) and the
+    reference composition (False); returns how many were switched."""
     n = 0
     for mod in module.modules():
         if isinstance(mod, StatNorm2d):
             mod.fused = bool(fused)
             n += 1
     return n
-

@@ -45,34 +45,25 @@ Integration choices (documented in the README):
 * The channel-norm affine is per group (Eq. 42 and the authors' release, shape (G,)); ``group_affine=
   False`` makes it per channel (shape (C,)).
 * ``fused=True`` (default) computes both stages as one map per (sample, channel) from the per-(n, c)
-  moments of x (``coeff_map``), with its closed-form VJP (``coeff_vjp``) and a backward that keeps only x
-  (the StatNorm engine, ``normdense/layers/_statnorm.py``): one reduction and one elementwise pass, like
-  nn.GroupNorm. ``fused=False`` is the reference composition
-  (an affine, then ``F.group_norm``) that the tests compare the fused path against.
-* ``recompute=True`` is deprecated: the fused path already keeps only the input. It still applies to
-  ``fused=False`` (keep only the input, recompute both stages in backward, ``_recompute.py``).
+  moments of x (:func:`coeff_map`), with its closed-form VJP (:func:`coeff_vjp`) and a backward that keeps
+  only x (the StatNorm engine, ``normdense/layers/_statnorm.py``): one reduction and one elementwise pass,
+  like nn.GroupNorm. ``fused=False`` is the reference composition (an affine, then ``F.group_norm``) that
+  the tests compare the fused path against.
 """
-from typing import Optional, Tuple, Union
+import functools
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._checks import check_group_values
-# update_estimates_ and set_update_rate keep their old import path (normdense.layers.bcn)
-from ._estimate import EstimateRateMixin, check_rate, set_update_rate, update_estimates_  # noqa: F401
-from ._estimate import in_backward, watch_estimate_call
+from ._estimate import EstimateRateMixin, in_backward
 from ._estimate import world_size as _world_size
-from ._eval_maps import standardization_affine
+from ._statnorm import StatNorm2d, check_group_values
+from ._utils import standardization_affine
 from .groups import group_policy, resolve_groups
-from ._fused import compute_dtype
-from ._recompute import _device_autocast as device_autocast
-from ._recompute import autocast_enabled, checkpoint_once, recompute_active
-from ..kernels.backend import check_backend
-from ._statnorm import StatNorm2d, warn_recompute_deprecated
 
 BCN_MODES = ('batch', 'estimate')
-_REFERENCE_DTYPES = {}  # (device type, input dtype, batch statistics, autocast dtype) -> output dtype
 
 
 def _synced_batch_moments(x: torch.Tensor):
@@ -91,6 +82,68 @@ def _synced_batch_moments(x: torch.Tensor):
         mean = packed[:-1] / total.clamp(min=1)  # every rank empty: 0, not 0/0 (running stats stay)
         sq = all_reduce((xf - mean.view(1, -1, 1, 1)).square().sum(dims))
         return mean, sq / total.clamp(min=1), total
+
+
+class BCNConfig(NamedTuple):
+    num_groups: int
+    eps: float
+    group_affine: bool
+
+
+def coeff_map(cfg, m, v, mean, var, params, positions, count):
+    """Eq. 40-42 as per-(n, c) (A, B) of y = A (x - m) + B, from the per-(n, c) moments m, v of x and the
+    first stage's statistics (mean, var): the first stage u = a (x - mean) + beta^b with
+    a = gamma^b / sqrt(var + eps) (Eq. 40), the per-(n, g) moments of u from those of x (law of total
+    variance), then the channel stage (Eq. 42): A = gamma^c a / sigma_g, B = gamma^c (mu_u - mu_g) /
+    sigma_g + beta^c (B is the output's mean per (n, c): centred terms only). Pure."""
+    bw, bb, w, b = (p.to(m.dtype) for p in params)
+    n, c = m.shape
+    g = cfg.num_groups
+    per = c // g
+    rs = torch.rsqrt(var + cfg.eps)
+    a = bw * rs
+    mc = m - mean
+    a2 = a * a
+    um = torch.addcmul(bb, mc, a).view(n, g, per)  # per-(n, c) mean of u
+    d = um - um.mean(2, keepdim=True)
+    r = torch.rsqrt(torch.addcmul((v * a2).view(n, g, per), d, d).mean(2, keepdim=True) + cfg.eps)
+    wv, bv = (w.view(g, 1), b.view(g, 1)) if cfg.group_affine else (w.view(g, per), b.view(g, per))
+    s = r * wv
+    coeffs = (s * a.view(g, per)).view(n, c), torch.addcmul(bv, s, d).view(n, c)
+    return coeffs, (rs, a, a2, mc, v, d, r, wv, s, bw)
+
+
+def coeff_vjp(cfg, res, grads, wants_stats):
+    """Closed-form VJP of :func:`coeff_map`: (dm, dv, dmean, dvar, (d batch_weight, d batch_bias, d weight,
+    d bias)) for the gradients (gA, gB) of (A, B)."""
+    rs, a, a2, mc, v, d, r, wv, s, bw = res
+    ga, gb = grads
+    n, c = ga.shape
+    g = cfg.num_groups
+    per = c // g
+    ga3, gb3 = ga.view(n, g, per), gb.view(n, g, per)
+    gs = torch.addcmul(ga3 * a.view(g, per), gb3, d)  # d loss / d s, per (n, c)
+    if cfg.group_affine:
+        gs = gs.sum(2, keepdim=True)
+        db, dw, dr = gb3.sum((0, 2)), (gs * r).sum((0, 2)), gs * wv
+    else:
+        db, dw, dr = gb3.sum(0).view(c), (gs * r).sum(0).view(c), (gs * wv).sum(2, keepdim=True)
+    # r = (var_g + eps)^-1/2, var_g = mean over the group of (uv + d^2): d var_g / P per (n, g)
+    dvg = dr * r.pow(3) * (-0.5 / per)
+    gd = torch.addcmul(gb3 * s, d, dvg, value=2.0)
+    dum = (gd - gd.mean(2, keepdim=True)).view(n, c)  # d = um - mean_g(um)
+    duv = (dvg * v.view(n, g, per)).view(n, c)
+    dv = (dvg * a2.view(g, per)).view(n, c)
+    dm = dum * a
+    # a enters A = s a, um = a mc + beta^b, uv = a^2 v
+    da = torch.addcmul((ga3 * s).view(n, c).addcmul_(dum, mc), duv, a, value=2.0).sum(0)
+    dbw, dbb = da * rs, dum.sum(0)
+    dmean = dvar = None
+    if wants_stats:  # batch statistics: mean and var are functions of m, v (the engine chains them)
+        dmean = -dm.sum(0)
+        dvar = da * bw * rs.pow(3) * -0.5
+    return dm, dv, dmean, dvar, (dbw, dbb, dw, db)
+
 
 
 class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
@@ -113,22 +166,17 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
         group_affine: per-group channel-stage affine (Eq. 42, default) instead of per-channel.
         fused: one fused pass with an analytic backward keeping only the input (default); ``False``
             runs the reference composition of torch ops.
-        compiled: the fused path's passes as torch.compile'd kernels (opt-in; the first call compiles,
-            see ``normdense/layers/_compiled.py``).
         backend: the fused path's kernels: ``'aten'``, ``'triton'`` (CUDA; CPU tensors only under
             ``TRITON_INTERPRET=1``), ``'auto'`` (Triton for CUDA tensors when it imports, else ATen) or None
             (default: the environment variable ``NORMDENSE_BACKEND``, else auto). docs/gpu.md.
-        recompute: deprecated (the fused path keeps only the input anyway). With ``fused=False``: in
-            training, save only the input for backward and recompute both stages in backward.
     """
     _abbr_ = 'bcn'
     _SYNC_BATCH = True
 
     def __init__(self, num_features: int, num_groups: Union[int, str, None] = None, mode: str = 'estimate',
                  eps: float = 1e-5, momentum: float = 0.1, update_rate: Optional[float] = None,
-                 sync_stats: Optional[bool] = None, group_affine: bool = True, recompute: bool = False,
-                 fused: bool = True, compiled: bool = False, backend: Optional[str] = None,
-                 channels_per_group: Optional[int] = None):
+                 sync_stats: Optional[bool] = None, group_affine: bool = True, fused: bool = True,
+                 backend: Optional[str] = None, channels_per_group: Optional[int] = None):
         if mode not in BCN_MODES:
             raise ValueError(f'BCN mode must be one of {BCN_MODES}, got {mode!r}')
         # group policy (layers/groups.py): the channel stage and its per-group affine get the resolved G
@@ -141,16 +189,8 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
                              f'got {momentum!r}')
         super().__init__(num_groups, num_features, eps=eps, affine=False)
         self._init_estimate_rate(mode, update_rate)
-        self.momentum = momentum
-        self.sync_stats = (mode == 'estimate') if sync_stats is None else sync_stats
         self.group_affine = group_affine
         self.group_policy = policy
-        self.recompute = bool(recompute)
-        self.fused = bool(fused)
-        self.compiled = bool(compiled)
-        self.backend = check_backend(backend, f'{type(self).__name__} backend')
-        if self.recompute and self.fused:
-            warn_recompute_deprecated('BatchChannelNorm2d')
         # Batch-knowledge stage (Eq. 40) and channel stage (Eq. 42) affines. The channel stage's keep
         # GroupNorm's names so GN checkpoints map onto it.
         affine_shape = num_groups if group_affine else num_features
@@ -158,8 +198,8 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
         self.bias = nn.Parameter(torch.zeros(affine_shape))
         self.batch_weight = nn.Parameter(torch.ones(num_features))
         self.batch_bias = nn.Parameter(torch.zeros(num_features))
-        self.register_buffer('running_mean', torch.zeros(num_features))
-        self.register_buffer('running_var', torch.ones(num_features))
+        self._init_statnorm(num_features, mode, (mode == 'estimate') if sync_stats is None else sync_stats, fused,
+                            backend, momentum)
 
     def _batch_stage(self, x):
         if self.mode == 'estimate':
@@ -167,7 +207,7 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
             mean, var = self.estimates_from_input(x) if self.training else (self.running_mean.clone(),
                                                                             self.running_var.clone())
         elif self.training and self.sync_stats and _world_size() > 1:
-            mean, var = self._synced_stats(x)
+            mean, var = self._reference_synced_stats(x)
         elif x.numel() == 0:  # no samples (e.g. zero RoIs): nothing to normalize or to track
             mean, var = self.running_mean, self.running_var
         else:
@@ -180,7 +220,7 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
                                 self.eps)
         return self._affine(x, mean, var, self.batch_weight, self.batch_bias)
 
-    def _synced_stats(self, x):
+    def _reference_synced_stats(self, x):
         """Batch mode across processes: differentiable synced moments, running statistics updated."""
         mean, var, count = _synced_batch_moments(x)
         if not in_backward():
@@ -207,11 +247,9 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
         check_group_values(x, self.num_channels, self.num_groups, 'BatchChannelNorm2d')
         if self.fused and self._fusable(x):
             y = self._statnorm_forward(x)
-        elif recompute_active(self, x):
-            y = self._forward_recompute(x)
         else:
             y = self._channel_stage(self._batch_stage(x), self.weight, self.bias)
-        return watch_estimate_call(self, y) if self.mode == 'estimate' and self.training else y
+        return self._watch(y)
 
     def _fusable(self, x) -> bool:
         # no positions or samples, or batch statistics of one value: the reference path has the answer
@@ -223,116 +261,17 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
     def _statnorm_params(self):
         return self.batch_weight, self.batch_bias, self.weight, self.bias
 
-    def _statnorm_dtypes(self, x):
+    def _output_dtype(self, x):
         synced = self.sync_stats and _world_size() > 1
-        return compute_dtype(x), self._reference_dtype(x, self.mode == 'batch' and self.training and not synced)
+        return self._autocast_dtype(x, self.mode == 'batch' and self.training and not synced)
 
-    def _reference_dtype(self, x, batch_stats: bool) -> torch.dtype:
-        """The output dtype of the reference composition: under autocast its F.batch_norm / F.group_norm
-        follow the device's autocast policy (e.g. float32 on CUDA), found once on a tiny input."""
-        if not autocast_enabled(x.device.type):
-            return x.dtype
-        key = (x.device.type, x.dtype, batch_stats, device_autocast(x.device.type)[1])
-        if key not in _REFERENCE_DTYPES:
-            with torch.no_grad():
-                probe = torch.ones(2, 2, 1, 1, dtype=x.dtype, device=x.device)
-                w = torch.ones(2, device=x.device)
-                if batch_stats:
-                    probe = F.batch_norm(probe, None, None, w, w, True)
-                _REFERENCE_DTYPES[key] = F.group_norm(probe, 1, w, w).dtype
-        return _REFERENCE_DTYPES[key]
-
-    def coeff_map(self, m, v, mean, var, params, positions, count):
-        """Eq. 40-42 as per-(n, c) (A, B) of y = A (x - m) + B, from the per-(n, c) moments m, v of x and the
-        first stage's statistics (mean, var): the first stage u = a (x - mean) + beta^b with
-        a = gamma^b / sqrt(var + eps) (Eq. 40), the per-(n, g) moments of u from those of x (law of total
-        variance), then the channel stage (Eq. 42): A = gamma^c a / sigma_g, B = gamma^c (mu_u - mu_g) /
-        sigma_g + beta^c (B is the output's mean per (n, c): centred terms only). Pure."""
-        bw, bb, w, b = (p.to(m.dtype) for p in params)
-        n, c = m.shape
-        g = self.num_groups
-        per = c // g
-        rs = torch.rsqrt(var + self.eps)
-        a = bw * rs
-        mc = m - mean
-        a2 = a * a
-        um = torch.addcmul(bb, mc, a).view(n, g, per)  # per-(n, c) mean of u
-        d = um - um.mean(2, keepdim=True)
-        r = torch.rsqrt(torch.addcmul((v * a2).view(n, g, per), d, d).mean(2, keepdim=True) + self.eps)
-        wv, bv = (w.view(g, 1), b.view(g, 1)) if self.group_affine else (w.view(g, per), b.view(g, per))
-        s = r * wv
-        coeffs = (s * a.view(g, per)).view(n, c), torch.addcmul(bv, s, d).view(n, c)
-        return coeffs, (rs, a, a2, mc, v, d, r, wv, s, bw)
-
-    def coeff_vjp(self, res, grads, wants_stats):
-        """Closed-form VJP of :meth:`coeff_map`: (dm, dv, dmean, dvar, (d batch_weight, d batch_bias, d weight,
-        d bias)) for the gradients (gA, gB) of (A, B)."""
-        rs, a, a2, mc, v, d, r, wv, s, bw = res
-        ga, gb = grads
-        n, c = ga.shape
-        g = self.num_groups
-        per = c // g
-        ga3, gb3 = ga.view(n, g, per), gb.view(n, g, per)
-        gs = torch.addcmul(ga3 * a.view(g, per), gb3, d)  # d loss / d s, per (n, c)
-        if self.group_affine:
-            gs = gs.sum(2, keepdim=True)
-            db, dw, dr = gb3.sum((0, 2)), (gs * r).sum((0, 2)), gs * wv
-        else:
-            db, dw, dr = gb3.sum(0).view(c), (gs * r).sum(0).view(c), (gs * wv).sum(2, keepdim=True)
-        # r = (var_g + eps)^-1/2, var_g = mean over the group of (uv + d^2): d var_g / P per (n, g)
-        dvg = dr * r.pow(3) * (-0.5 / per)
-        gd = torch.addcmul(gb3 * s, d, dvg, value=2.0)
-        dum = (gd - gd.mean(2, keepdim=True)).view(n, c)  # d = um - mean_g(um)
-        duv = (dvg * v.view(n, g, per)).view(n, c)
-        dv = (dvg * a2.view(g, per)).view(n, c)
-        dm = dum * a
-        # a enters A = s a, um = a mc + beta^b, uv = a^2 v
-        da = torch.addcmul((ga3 * s).view(n, c).addcmul_(dum, mc), duv, a, value=2.0).sum(0)
-        dbw, dbb = da * rs, dum.sum(0)
-        dmean = dvar = None
-        if wants_stats:  # batch statistics: mean and var are functions of m, v (the engine chains them)
-            dmean = -dm.sum(0)
-            dvar = da * bw * rs.pow(3) * -0.5
-        return dm, dv, dmean, dvar, (dbw, dbb, dw, db)
-
-    def triton_coeff_map(self, m, v, mean, var, params, positions, count):
-        """:meth:`coeff_map` as one Triton launch (``normdense/kernels/bcn.py``; its residuals are the inputs,
-        for :meth:`triton_coeff_vjp` only)."""
-        from ..kernels import bcn as kernels  # triton imported only when the Triton backend runs
-        return kernels.coeff_map(m, v, mean, var, params, positions, count, num_groups=self.num_groups,
-                                 eps=self.eps, group_affine=self.group_affine)
-
-    def triton_coeff_vjp(self, res, grads, wants_stats):
-        """:meth:`coeff_vjp` as one Triton launch, for the residuals of :meth:`triton_coeff_map`."""
-        from ..kernels import bcn as kernels
-        return kernels.coeff_vjp(res, grads, wants_stats, num_groups=self.num_groups, eps=self.eps,
-                                 group_affine=self.group_affine)
-
-    def _forward_recompute(self, x):
-        """Training forward keeping only x (and channel-sized statistics) for backward. The parameters
-        are passed into the checkpointed part too, so the recomputation uses the very tensors of the
-        forward (e.g. under torch.func.functional_call)."""
-        params = (self.batch_weight, self.batch_bias, self.weight, self.bias)
-        if self.mode == 'estimate':
-            # updated once, here; the checkpointed part gets this call's values
-            stats = self.estimates_from_input(x)
-        elif self.sync_stats and _world_size() > 1:
-            # the collective runs once, outside the checkpoint (never again in backward); the synced
-            # moments enter the checkpointed part as (differentiable, channel-sized) inputs
-            stats = self._synced_stats(x)
-        else:
-            return checkpoint_once(self._batch_norm_recomputable, x, *params)
-        return checkpoint_once(self._two_stages_recomputable, x, *stats, *params)
-
-    def _two_stages_recomputable(self, first, x, mean, var, batch_weight, batch_bias, weight, bias):
-        return self._channel_stage(self._affine(x, mean, var, batch_weight, batch_bias), weight, bias)
-
-    def _batch_norm_recomputable(self, first, x, batch_weight, batch_bias, weight, bias):
-        # Batch mode: normalization by the batch statistics (training=True fixed at forward time); the
-        # running statistics are updated by the forward call only, the recomputation tracks none.
-        running = (self.running_mean, self.running_var) if first else (None, None)
-        y = F.batch_norm(x, *running, batch_weight, batch_bias, True, self.momentum, self.eps)
-        return self._channel_stage(y, weight, bias)
+    def _coeff_maps(self, triton: bool):
+        cfg = BCNConfig(self.num_groups, self.eps, self.group_affine)
+        if triton:
+            from ..kernels import bcn as kernels  # triton imported only when the Triton backend runs
+            return (functools.partial(kernels.coeff_map, **cfg._asdict()),
+                    functools.partial(kernels.coeff_vjp, **cfg._asdict()))
+        return functools.partial(coeff_map, cfg), functools.partial(coeff_vjp, cfg)
 
     def reset_parameters(self):
         # nn.GroupNorm.__init__ calls this before our parameters exist.
@@ -347,9 +286,7 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
         s = f'{self.num_channels}, num_groups={self.num_groups}, mode={self.mode!r}, eps={self.eps}'
         s += f', update_rate={rate}' if self.mode == 'estimate' else f', momentum={self.momentum}'
         s += f', sync_stats={self.sync_stats}, group_affine={self.group_affine}'
-        s += ('' if self.fused else ', fused=False') + (', compiled=True' if self.compiled else '')
-        s += f', backend={self.backend!r}' if self.backend else ''
-        return s + (', recompute=True' if self.recompute else '')
+        return s + self._statnorm_repr()
 
     def eval_affine(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(scale, shift) per channel, float64, of the eval-mode first stage (Eq. 40 with the running

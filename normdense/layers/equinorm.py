@@ -44,7 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules.utils import _pair
 
-from ._eval_maps import f64
+from ._utils import f64
 
 
 def balance_weight_signs_(weight: torch.Tensor, generator: Optional[torch.Generator] = None) -> int:

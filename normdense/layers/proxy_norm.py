@@ -22,32 +22,24 @@ use ``act_cfg=None`` in ConvModules and the ``PNResNet`` backbone instead of ``R
 activations phi are listed in ``normdense/layers/_activations.py``.
 
 ``fused=True`` (default) computes the layer as ``K phi(A x + B) + L`` with per-(sample, channel) A, B (GN
-and its affine) and per-channel K, L (the proxy moments), from the per-(n, c) moments of x, with an
-closed-form backward that keeps only x (``normdense/layers/_statnorm.py``). ``fused=False`` is the reference
-composition below (``F.group_norm``, phi, proxy normalization) that the tests compare it against.
-
-``recompute=True`` is deprecated (the fused path keeps only the input); with ``fused=False`` it keeps only
-the layer's input for backward (plain autograd keeps the input and two activation-sized intermediates, 3x
-nn.GroupNorm's activation memory, plus three (C, n) tensors of the proxy statistics) and recomputes GN,
-phi, the proxy statistics and the normalization in backward; see ``normdense/layers/_recompute.py``. The layer draws no random numbers (the proxy samples are
-deterministic quantiles), so the recomputation is exact without saving any RNG state.
+and its affine) and per-channel K, L (the proxy moments), from the per-(n, c) moments of x
+(:func:`coeff_map`), with a closed-form backward (:func:`coeff_vjp`) that keeps only x (the StatNorm engine,
+``normdense/layers/_statnorm.py``). ``fused=False`` is the reference composition (``F.group_norm``, phi,
+proxy normalization) that the tests compare it against.
 
 No mmcv/mmengine imports here: registration happens in ``normdense/registry.py``.
 """
 import functools
 import math
-from typing import Optional, Tuple, Union
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..kernels.backend import check_backend
 from ._activations import PROXY_NORM_ACTIVATIONS, activation
 from ._activations import resolve_activation as _resolve_activation
-from ._checks import check_group_values
-from ._recompute import checkpoint_once, recompute_active
-from ._statnorm import StatNorm2d, warn_recompute_deprecated
+from ._statnorm import StatNorm2d, check_group_values
 from .groups import group_policy, resolve_groups
 
 __all__ = ['GroupProxyNorm', 'proxy_quantiles', 'PROXY_NORM_ACTIVATIONS']
@@ -72,13 +64,105 @@ def _cached_quantiles(num_samples: int, dtype: torch.dtype, device: torch.device
         return proxy_quantiles(num_samples, dtype, device)
 
 
-def _ones_like_expanded(m: torch.Tensor) -> torch.Tensor:
-    return m.new_ones(1).expand_as(m)
-
-
 def _stat_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """float64 if anything is float64, else float32: proxy statistics never run in fp16/bf16."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+class PNConfig(NamedTuple):
+    num_groups: int
+    eps: float
+    act: str
+    act_kwargs: dict
+    proxy_eps: float
+    num_samples: int
+    proxy_scaling: bool
+    proxy_affine: bool
+
+
+def coeff_map(cfg, m, v, mean, var, params, positions, count):
+    """Eq. 7 as y = K phi(A (x - m) + B) + L per (n, c), from the per-(n, c) moments m, v of x: the GN stage
+    A = gamma / sigma_g, B = beta + A (m - mu_g) (the pre-activation's mean per (n, c)), and the proxy
+    moments per channel, K = 1 / sqrt(Var[phi(gamma Y + beta)] + eps_pn), L = -E[phi(gamma Y + beta)] K
+    over the deterministic proxy samples Y = beta~ + (1 + gamma~) q (App. B). Pure."""
+    weight, bias, proxy_beta, proxy_gamma = params
+    dtype = m.dtype
+    w, b = weight.to(dtype), bias.to(dtype)
+    n, c = m.shape
+    g = cfg.num_groups
+    per = c // g
+    m3 = m.view(n, g, per)
+    d = m3 - m3.mean(2, keepdim=True)
+    r = torch.rsqrt(torch.addcmul(v.view(n, g, per), d, d).mean(2, keepdim=True) + cfg.eps)  # (N, G, 1)
+    a3 = r * w.view(g, per)
+    b3 = torch.addcmul(b.view(g, per), a3, d)
+    q = _cached_quantiles(cfg.num_samples, dtype, m.device)
+    if cfg.proxy_affine:
+        y = torch.addcmul(proxy_beta.to(dtype)[:, None], 1 + proxy_gamma.to(dtype)[:, None], q)
+    else:
+        y = q.expand(c, -1)
+    z = torch.addcmul(b[:, None], w[:, None], y)  # (C, n) pre-activations of the proxy
+    act = activation(cfg.act, cfg.act_kwargs)
+    out = act.forward(z)
+    pvar, pmean = torch.var_mean(out, dim=1, correction=0)  # expectation over the proxy: 1/n
+    k = torch.rsqrt(pvar + cfg.proxy_eps) if cfg.proxy_scaling else None
+    l_ = -pmean * k if cfg.proxy_scaling else -pmean
+    kk = k.expand(n, c) if cfg.proxy_scaling else m.new_ones(1).expand_as(m)
+    coeffs = a3.view(n, c), b3.view(n, c), kk, l_.expand(n, c)
+    return coeffs, (d, r, w, a3, y, z, out, pmean, k, q, act)
+
+def coeff_vjp(cfg, res, grads, wants_stats):
+    """Closed-form VJP of :func:`coeff_map`: (dm, dv, None, None, (d weight, d bias, d proxy_beta,
+    d proxy_gamma)); phi' through phi's own ATen backward op (``_activations.Activation``)."""
+    d, r, w, a3, y, z, out, pmean, k, q, act = res
+    ga, gb, gk, gl = grads
+    n, c = ga.shape
+    g = cfg.num_groups
+    per = c // g
+    ga3, gb3 = ga.view(n, g, per), gb.view(n, g, per)
+    ga_t = torch.addcmul(ga3, gb3, d)  # B = beta + A d
+    dw = (ga_t * r).sum(0).view(c)
+    dvg = (ga_t * w.view(g, per)).sum(2, keepdim=True) * r.pow(3) * (-0.5 / per)  # through r, / P
+    gd = torch.addcmul(gb3 * a3, d, dvg, value=2.0)
+    dm = (gd - gd.mean(2, keepdim=True)).view(n, c)
+    dv = dvg.expand(n, g, per).reshape(n, c)
+    db = gb.sum(0)
+    # proxy moments: K, L per channel
+    gkc, glc = gk.sum(0), gl.sum(0)
+    samples = out.shape[1]
+    if cfg.proxy_scaling:
+        dmean = -glc * k
+        dvar = torch.addcmul(gkc, glc, pmean, value=-1.0) * k.pow(3) * (-0.5)
+        dout = torch.addcmul((dmean / samples)[:, None], out - pmean[:, None], (dvar * (2.0 / samples))[:, None])
+    else:
+        dout = (-glc / samples)[:, None].expand_as(out)
+    dz = act.backward(dout, z, out)
+    dw = dw + (dz * y).sum(1)
+    db = db + dz.sum(1)
+    dpb = dpg = None
+    if cfg.proxy_affine:
+        dyq = dz * w[:, None]
+        dpb, dpg = dyq.sum(1), (dyq * q).sum(1)
+    return dm, dv, None, None, (dw, db, dpb, dpg)
+
+
+def _triton_kwargs(cfg):
+    kw = cfg._asdict()
+    kw.pop('num_samples')
+    return kw
+
+
+def _triton_coeff_map(cfg, m, v, mean, var, params, positions, count):
+    """:func:`coeff_map` as one Triton launch (``normdense/kernels/proxy_norm.py``), on the same cached quantiles."""
+    from ..kernels import proxy_norm as kernels  # triton imported only when this backend is used
+    q = _cached_quantiles(cfg.num_samples, m.dtype, m.device)
+    return kernels.coeff_map(m, v, mean, var, params, positions, count, quantiles=q, **_triton_kwargs(cfg))
+
+
+def _triton_coeff_vjp(cfg, res, grads, wants_stats):
+    """:func:`coeff_vjp` as one Triton launch, for the residuals of :func:`_triton_coeff_map`."""
+    from ..kernels import proxy_norm as kernels
+    return kernels.coeff_vjp(res, grads, wants_stats, **_triton_kwargs(cfg))
 
 
 class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
@@ -110,16 +194,9 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
             of App. A.3.3 (Y ~ N(0, 1)).
         fused: one fused pass with an analytic backward keeping only the input (default); ``False`` runs
             the reference composition.
-        compiled: the fused path's passes as torch.compile'd kernels (opt-in; the first call compiles,
-            see ``normdense/layers/_compiled.py``).
         backend: the fused path's kernels: ``'aten'``, ``'triton'`` (CUDA; CPU tensors only under
             ``TRITON_INTERPRET=1``), ``'auto'`` (Triton for CUDA tensors when it imports, else ATen) or None
             (default: the environment variable ``NORMDENSE_BACKEND``, else auto). docs/gpu.md.
-        recompute: deprecated (the fused path keeps only the input). With ``fused=False``: in
-            training, save only the input for backward (one nn.GroupNorm's activation
-            memory instead of three; the proxy statistics' (C, n) tensors are not kept either) and
-            recompute the whole layer in backward, at the cost of a second forward. Default ``False``
-            (plain autograd). No effect in eval mode or without grad.
 
     Parameters: ``weight``/``bias`` are gamma/beta of the activation step (GroupNorm's own names so
     GN checkpoints load), ``proxy_beta``/``proxy_gamma`` are beta~/gamma~. The proxy statistics are
@@ -138,9 +215,8 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
                  num_samples: int = 200,
                  proxy_scaling: bool = True,
                  proxy_affine: bool = True,
-                 recompute: bool = False,
                  fused: bool = True,
-                 compiled: bool = False, backend: Optional[str] = None,
+                 backend: Optional[str] = None,
                  channels_per_group: Optional[int] = None):
         if (isinstance(num_channels, bool) or not isinstance(num_channels, int)
                 or num_channels <= 0):
@@ -164,12 +240,7 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
         self.num_samples = num_samples
         self.proxy_scaling = bool(proxy_scaling)
         self.proxy_affine = bool(proxy_affine)
-        self.recompute = bool(recompute)
-        self.fused = bool(fused)
-        self.compiled = bool(compiled)
-        self.backend = check_backend(backend, f'{type(self).__name__} backend')
-        if self.recompute and self.fused:
-            warn_recompute_deprecated('GroupProxyNorm')
+        self._init_statnorm(num_channels, None, False, fused, backend)
         if self.proxy_affine:
             self.proxy_beta = nn.Parameter(torch.zeros(num_channels))
             self.proxy_gamma = nn.Parameter(torch.zeros(num_channels))
@@ -214,17 +285,11 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
             raise ValueError(f'GNPN expects input (N, {self.num_channels}, ...), '
                              f'got shape {tuple(x.shape)}')
         check_group_values(x, self.num_channels, self.num_groups, 'GNPN')
-        dtype = _stat_dtype(x, self.weight)
-        params = (self.weight, self.bias, self.proxy_beta, self.proxy_gamma)
         if self.fused and x.numel() > 0:
             return self._statnorm_forward(x)
-        if recompute_active(self, x):
-            # Everything, the (C, n) proxy statistics included, is recomputed in backward: only x is
-            # kept. The parameters are passed in, so the recomputation uses the forward's tensors.
-            return checkpoint_once(lambda first, inp, *ps: self._eq7(inp, dtype, *ps), x, *params)
-        return self._eq7(x, dtype, *params)
+        return self._eq7(x, _stat_dtype(x, self.weight), self.weight, self.bias, self.proxy_beta, self.proxy_gamma)
 
-    _FIRST_STAGE = 'none'
+    _FIRST_STAGE = False
 
     def _statnorm_params(self):
         return self.weight, self.bias, self.proxy_beta, self.proxy_gamma
@@ -232,89 +297,15 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
     def _statnorm_act(self):
         return activation(self.act, self.act_kwargs)
 
-    def _statnorm_dtypes(self, x):
-        return _stat_dtype(x, self.weight), x.dtype
+    def _config(self) -> 'PNConfig':
+        return PNConfig(self.num_groups, self.eps, self.act, self.act_kwargs, self.proxy_eps, self.num_samples,
+                        self.proxy_scaling, self.proxy_affine)
 
-    def coeff_map(self, m, v, mean, var, params, positions, count):
-        """Eq. 7 as y = K phi(A (x - m) + B) + L per (n, c), from the per-(n, c) moments m, v of x: the GN stage
-        A = gamma / sigma_g, B = beta + A (m - mu_g) (the pre-activation's mean per (n, c)), and the proxy
-        moments per channel, K = 1 / sqrt(Var[phi(gamma Y + beta)] + eps_pn), L = -E[phi(gamma Y + beta)] K
-        over the deterministic proxy samples Y = beta~ + (1 + gamma~) q (App. B). Pure."""
-        weight, bias, proxy_beta, proxy_gamma = params
-        dtype = m.dtype
-        w, b = weight.to(dtype), bias.to(dtype)
-        n, c = m.shape
-        g = self.num_groups
-        per = c // g
-        m3 = m.view(n, g, per)
-        d = m3 - m3.mean(2, keepdim=True)
-        r = torch.rsqrt(torch.addcmul(v.view(n, g, per), d, d).mean(2, keepdim=True) + self.eps)  # (N, G, 1)
-        a3 = r * w.view(g, per)
-        b3 = torch.addcmul(b.view(g, per), a3, d)
-        q = _cached_quantiles(self.num_samples, dtype, m.device)
-        if self.proxy_affine:
-            y = torch.addcmul(proxy_beta.to(dtype)[:, None], 1 + proxy_gamma.to(dtype)[:, None], q)
-        else:
-            y = q.expand(c, -1)
-        z = torch.addcmul(b[:, None], w[:, None], y)  # (C, n) pre-activations of the proxy
-        act = self._statnorm_act()
-        out = act.forward(z)
-        pvar, pmean = torch.var_mean(out, dim=1, correction=0)  # expectation over the proxy: 1/n
-        k = torch.rsqrt(pvar + self.proxy_eps) if self.proxy_scaling else None
-        l_ = -pmean * k if self.proxy_scaling else -pmean
-        kk = k.expand(n, c) if self.proxy_scaling else _ones_like_expanded(m)
-        coeffs = a3.view(n, c), b3.view(n, c), kk, l_.expand(n, c)
-        return coeffs, (d, r, w, a3, y, z, out, pmean, k, q, act)
-
-    def coeff_vjp(self, res, grads, wants_stats):
-        """Closed-form VJP of :meth:`coeff_map`: (dm, dv, None, None, (d weight, d bias, d proxy_beta,
-        d proxy_gamma)); phi' through phi's own ATen backward op (``_activations.Activation``)."""
-        d, r, w, a3, y, z, out, pmean, k, q, act = res
-        ga, gb, gk, gl = grads
-        n, c = ga.shape
-        g = self.num_groups
-        per = c // g
-        ga3, gb3 = ga.view(n, g, per), gb.view(n, g, per)
-        ga_t = torch.addcmul(ga3, gb3, d)  # B = beta + A d
-        dw = (ga_t * r).sum(0).view(c)
-        dvg = (ga_t * w.view(g, per)).sum(2, keepdim=True) * r.pow(3) * (-0.5 / per)  # through r, / P
-        gd = torch.addcmul(gb3 * a3, d, dvg, value=2.0)
-        dm = (gd - gd.mean(2, keepdim=True)).view(n, c)
-        dv = dvg.expand(n, g, per).reshape(n, c)
-        db = gb.sum(0)
-        # proxy moments: K, L per channel
-        gkc, glc = gk.sum(0), gl.sum(0)
-        samples = out.shape[1]
-        if self.proxy_scaling:
-            dmean = -glc * k
-            dvar = torch.addcmul(gkc, glc, pmean, value=-1.0) * k.pow(3) * (-0.5)
-            dout = torch.addcmul((dmean / samples)[:, None], out - pmean[:, None], (dvar * (2.0 / samples))[:, None])
-        else:
-            dout = (-glc / samples)[:, None].expand_as(out)
-        dz = act.backward(dout, z, out)
-        dw = dw + (dz * y).sum(1)
-        db = db + dz.sum(1)
-        dpb = dpg = None
-        if self.proxy_affine:
-            dyq = dz * w[:, None]
-            dpb, dpg = dyq.sum(1), (dyq * q).sum(1)
-        return dm, dv, None, None, (dw, db, dpb, dpg)
-
-    def _triton_config(self) -> dict:
-        return dict(num_groups=self.num_groups, eps=self.eps, act=self.act, act_kwargs=self.act_kwargs,
-                    proxy_eps=self.proxy_eps, proxy_scaling=self.proxy_scaling, proxy_affine=self.proxy_affine)
-
-    def triton_coeff_map(self, m, v, mean, var, params, positions, count):
-        """:meth:`coeff_map` as one Triton launch (``normdense/kernels/proxy_norm.py``; CUDA tensors, or CPU ones
-        under Triton's interpreter), on the same cached proxy quantiles."""
-        from ..kernels import proxy_norm as kernels  # triton imported only when this backend is used
-        q = _cached_quantiles(self.num_samples, m.dtype, m.device)
-        return kernels.coeff_map(m, v, mean, var, params, positions, count, quantiles=q, **self._triton_config())
-
-    def triton_coeff_vjp(self, res, grads, wants_stats):
-        """:meth:`coeff_vjp` as one Triton launch, for the residuals of :meth:`triton_coeff_map`."""
-        from ..kernels import proxy_norm as kernels
-        return kernels.coeff_vjp(res, grads, wants_stats, **self._triton_config())
+    def _coeff_maps(self, triton: bool):
+        cfg = self._config()
+        if triton:
+            return functools.partial(_triton_coeff_map, cfg), functools.partial(_triton_coeff_vjp, cfg)
+        return functools.partial(coeff_map, cfg), functools.partial(coeff_vjp, cfg)
 
     def _eq7(self, x: torch.Tensor, dtype: torch.dtype, weight, bias, proxy_beta, proxy_gamma) -> torch.Tensor:
         """Eq. 7 with the given parameters, computed in ``dtype`` with autocast disabled."""
@@ -335,7 +326,4 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
         act = self.act if not self.act_kwargs else f'{self.act}({self.act_kwargs})'
         return (f'{self.num_groups}, {self.num_channels}, eps={self.eps}, act={act}, '
                 f'proxy_eps={self.proxy_eps}, num_samples={self.num_samples}, '
-                f'proxy_scaling={self.proxy_scaling}, proxy_affine={self.proxy_affine}'
-                + ('' if self.fused else ', fused=False') + (', compiled=True' if self.compiled else '')
-                + (f', backend={self.backend!r}' if self.backend else '')
-                + (', recompute=True' if self.recompute else ''))
+                f'proxy_scaling={self.proxy_scaling}, proxy_affine={self.proxy_affine}' + self._statnorm_repr())

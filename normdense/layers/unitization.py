@@ -47,22 +47,20 @@ paper's:
   m / (m - 1 - eps), m = N*H*W values per channel (running statistics are unchanged).
 
 ``fused=True`` (default) computes both stages as one map A x + B per (sample, channel) from the per-(n, c)
-moments of x, with a closed-form backward that keeps only x (``normdense/layers/_statnorm.py``); ``fused=False``
-is the reference composition below, which the tests compare it against. ``recompute=True`` is deprecated
-(the fused path keeps only the input); with ``fused=False`` it keeps only the input and recomputes both
-stages in backward (``normdense/layers/_recompute.py``).
+moments of x (:func:`coeff_map`), with a closed-form backward (:func:`coeff_vjp`) that keeps only x (the
+StatNorm engine, ``normdense/layers/_statnorm.py``); ``fused=False`` is the reference composition below, which
+the tests compare it against.
 """
+import functools
 import numbers
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
-from ._estimate import EstimateRateMixin, in_backward, watch_estimate_call
-from ._eval_maps import standardization_affine
-from ._recompute import checkpoint_once, recompute_active
-from ..kernels.backend import check_backend
-from ._statnorm import StatNorm2d, warn_recompute_deprecated
+from ._estimate import EstimateRateMixin, in_backward
+from ._statnorm import StatNorm2d
+from ._utils import affine_parameters, standardization_affine
 
 UNITIZATION_MODES = ('batch', 'estimate')
 NORM_DIVISORS = ('hw', 'hw_squared')
@@ -73,6 +71,71 @@ def _compute_input(x: torch.Tensor) -> torch.Tensor:
     """x in the dtype the layer computes in: half inputs in float32 (squared sums over C*H*W overflow
     fp16)."""
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+class UnitizationConfig(NamedTuple):
+    eps: float
+    affine: bool
+    n: Optional[float]
+    norm_divisor: str
+    var_correction: str
+
+
+def _var_factor(cfg, count) -> float:
+    # training batch variance factor: 1 (the paper) or m / (m - 1 - eps) (the Keras code)
+    return count / (count - 1 - cfg.eps) if cfg.var_correction == 'keras' else 1.0
+
+
+def _divisor(cfg, positions: int) -> float:
+    # Algorithm 2 line 9: n, else H*W (the paper) or (H*W)^2 (the Keras code)
+    if cfg.n is not None:
+        return cfg.n
+    return float(positions) ** (2 if cfg.norm_divisor == 'hw_squared' else 1)
+
+
+def coeff_map(cfg, m, v, mean, var, params, positions, count):
+    """Both stages as per-(n, c) (A, B) of y = A (x - m) + B, from the per-(n, c) moments m, v of x and
+    stage 1's statistics (mean, var; the batch moments when ``count`` is given): with
+    rs = 1 / sqrt(var + eps), sum_{c, l} x_hat^2 = sum_c L (v + (m - mean)^2) rs^2 (Algorithm 2 lines
+    9-10), p = 1 / sqrt(s + eps) (Eq. 16), A = gamma (p alpha + 1 - alpha) rs, B = A (m - mean) + beta
+    (the output's mean per (n, c)). Pure."""
+    alpha, w, b = (None if p is None else p.to(m.dtype) for p in params)
+    if count is not None:
+        var = var * _var_factor(cfg, count)
+    rs = torch.rsqrt(var + cfg.eps)
+    mc = m - mean
+    e = torch.addcmul(v, mc, mc)  # mean over positions of (x - mean)^2, per (n, c)
+    rs2 = rs * rs
+    k = positions / _divisor(cfg, positions)
+    p = torch.rsqrt((e * rs2).sum(1, keepdim=True) * k + cfg.eps)  # (N, 1)
+    sc0 = torch.addcmul(1.0 - alpha, p, alpha)
+    scale = sc0 * w if cfg.affine else sc0
+    a = scale * rs
+    b_ = torch.addcmul(b, a, mc) if cfg.affine else a * mc
+    return (a, b_), (rs, rs2, mc, e, p, alpha, sc0, w, scale, a, k, count)
+
+def coeff_vjp(cfg, res, grads, wants_stats):
+    """Closed-form VJP of :func:`coeff_map`: (dm, dv, dmean, dvar, (d alpha, d weight, d bias))."""
+    rs, rs2, mc, e, p, alpha, sc0, w, scale, a, k, count = res
+    ga, gb = grads
+    ga_t = torch.addcmul(ga, gb, mc)  # B = A mc + beta
+    g_scale = ga_t * rs
+    if cfg.affine:
+        dw, db = (g_scale * sc0).sum(0), gb.sum(0)
+        g_sc0 = g_scale * w
+    else:
+        dw = db = None
+        g_sc0 = g_scale
+    dalpha = (g_sc0 * (p - 1.0)).sum(0)
+    ds = (g_sc0 * alpha).sum(1, keepdim=True) * p.pow(3) * (-0.5 * k)  # d loss / d (sum_c e rs^2), (N, 1)
+    de = ds * rs2
+    dm = torch.addcmul(gb * a, de, mc, value=2.0)
+    dmean = dvar = None
+    if wants_stats:
+        dmean = -dm.sum(0)
+        g_rs = torch.addcmul((ga_t * scale).sum(0), (ds * e).sum(0), rs, value=2.0)
+        dvar = g_rs * rs.pow(3) * (-0.5 * _var_factor(cfg, count))
+    return dm, de, dmean, dvar, (dalpha, dw, db)
 
 
 class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
@@ -93,21 +156,16 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
             m / (m - 1 - eps)).
         fused: one fused pass with an analytic backward keeping only the input (default); ``False`` runs
             the reference composition.
-        compiled: the fused path's passes as torch.compile'd kernels (opt-in; the first call compiles,
-            see ``normdense/layers/_compiled.py``).
         backend: the fused path's kernels: ``'aten'``, ``'triton'`` (CUDA; CPU tensors only under
             ``TRITON_INTERPRET=1``), ``'auto'`` (Triton for CUDA tensors when it imports, else ATen) or None
             (default: the environment variable ``NORMDENSE_BACKEND``, else auto). docs/gpu.md.
-        recompute: deprecated (the fused path keeps only the input). With ``fused=False``: in training,
-            save only the input for backward and recompute both stages in backward.
     """
     _abbr_ = 'un'
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
                  affine: bool = True, n: Optional[float] = None, mode: str = 'batch',
-                 update_rate: Optional[float] = None, sync_stats: bool = True, recompute: bool = False,
-                 norm_divisor: str = 'hw', var_correction: str = 'none', fused: bool = True, compiled: bool = False,
-                 backend: Optional[str] = None):
+                 update_rate: Optional[float] = None, sync_stats: bool = True, norm_divisor: str = 'hw',
+                 var_correction: str = 'none', fused: bool = True, backend: Optional[str] = None):
         super().__init__()
         if not isinstance(num_features, int) or num_features <= 0:
             raise ValueError(f'Unitization num_features must be a positive int, got {num_features!r}')
@@ -131,27 +189,11 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
         self.var_correction = var_correction
         self.num_features = num_features
         self.eps = float(eps)
-        self.momentum = momentum
         self.affine = affine
         self.n = None if n is None else float(n)
-        self.sync_stats = sync_stats
-        self.recompute = bool(recompute)
-        self.fused = bool(fused)
-        self.compiled = bool(compiled)
-        self.backend = check_backend(backend, f'{type(self).__name__} backend')
-        if self.recompute and self.fused:
-            warn_recompute_deprecated('Unitization2d')
         self.alpha = nn.Parameter(torch.zeros(num_features))
-        if affine:
-            self.weight = nn.Parameter(torch.ones(num_features))
-            self.bias = nn.Parameter(torch.zeros(num_features))
-        else:
-            self.register_parameter('weight', None)
-            self.register_parameter('bias', None)
-        # 'batch': eval statistics. 'estimate': the estimates mu_hat, sigma_hat^2 themselves.
-        self.register_buffer('running_mean', torch.zeros(num_features))
-        self.register_buffer('running_var', torch.ones(num_features))
-        self.register_buffer('num_batches_tracked', torch.tensor(0, dtype=torch.long))
+        affine_parameters(self, num_features, affine)
+        self._init_statnorm(num_features, mode, sync_stats, fused, backend, momentum, num_batches_tracked=True)
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.alpha)
@@ -162,18 +204,14 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
         self.running_var.fill_(1.0)
         self.num_batches_tracked.zero_()
 
-    def _stage1_stats(self, x: torch.Tensor, update: bool = True, training: Optional[bool] = None):
-        """Mean and variance that standardize x (Algorithm 2 line 5), updating buffers in training
-        (unless ``update=False``: the recomputation of ``recompute=True`` in backward, which also fixes
-        ``training`` to the forward's mode)."""
-        training = self.training if training is None else training
+    def _stage1_stats(self, x: torch.Tensor):
+        """Mean and variance that standardize x (Algorithm 2 line 5), updating buffers in training."""
         dims = [d for d in range(x.dim()) if d != 1]
         if self.mode == 'estimate':
             # Constants for autograd: the estimates are not trained by the loss (WS/BCN Algorithm 1).
-            mean, var = self.estimates_from_input(x) if training and update else (self.running_mean,
-                                                                                   self.running_var)
+            mean, var = self.estimates_from_input(x) if self.training else (self.running_mean, self.running_var)
             return mean.to(x.dtype), var.to(x.dtype)
-        if not training:
+        if not self.training:
             return self.running_mean.to(x.dtype), self.running_var.to(x.dtype)
         count = x.numel() // x.shape[1]
         if count < 2:
@@ -182,25 +220,15 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
                 f"statistics, got input of shape {tuple(x.shape)}; use mode='estimate' for batch size 1 "
                 f"on 1x1 maps")
         var, mean = torch.var_mean(x, dim=dims, correction=0)
-        if update and not in_backward():  # a checkpoint's recomputation tracks nothing: the forward did
+        if not in_backward():  # a checkpoint's recomputation tracks nothing: the forward did
             self._track(mean.detach(), var.detach(), count)
-        return mean, var * self._var_factor(count)
-
-    def _var_factor(self, count: int) -> float:
-        # training batch variance factor: 1 (the paper) or m / (m - 1 - eps) (the Keras code)
-        return count / (count - 1 - self.eps) if self.var_correction == 'keras' else 1.0
-
-    def _divisor(self, positions: int) -> float:
-        if self.n is not None:
-            return self.n
-        return float(positions) ** (2 if self.norm_divisor == 'hw_squared' else 1)
+        return mean, var * _var_factor(self._config(), count)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() < 2 or x.shape[1] != self.num_features:
             raise ValueError(f'Unitization2d({self.num_features}) expects (N, {self.num_features}, ...) input, '
                              f'got shape {tuple(x.shape)}')
-        y = self._forward(x)
-        return watch_estimate_call(self, y) if self.mode == 'estimate' and self.training else y
+        return self._watch(self._forward(x))
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == 0:
@@ -212,8 +240,6 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
             return x * 0 + sum(p.sum() for p in self.parameters()) * 0
         if self.fused and (self.mode == 'estimate' or not self.training or x.numel() // x.shape[1] > 1):
             return self._statnorm_forward(x)
-        if recompute_active(self, x):
-            return self._forward_recompute(x)
         xf = _compute_input(x)
         mean, var = self._stage1_stats(xf)
         return self._unitize(xf, mean, var, self.alpha, self.weight, self.bias).to(x.dtype)
@@ -221,80 +247,16 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
     def _statnorm_params(self):
         return self.alpha, self.weight, self.bias
 
-    def coeff_map(self, m, v, mean, var, params, positions, count):
-        """Both stages as per-(n, c) (A, B) of y = A (x - m) + B, from the per-(n, c) moments m, v of x and
-        stage 1's statistics (mean, var; the batch moments when ``count`` is given): with
-        rs = 1 / sqrt(var + eps), sum_{c, l} x_hat^2 = sum_c L (v + (m - mean)^2) rs^2 (Algorithm 2 lines
-        9-10), p = 1 / sqrt(s + eps) (Eq. 16), A = gamma (p alpha + 1 - alpha) rs, B = A (m - mean) + beta
-        (the output's mean per (n, c)). Pure."""
-        alpha, w, b = (None if p is None else p.to(m.dtype) for p in params)
-        if count is not None:
-            var = var * self._var_factor(count)
-        rs = torch.rsqrt(var + self.eps)
-        mc = m - mean
-        e = torch.addcmul(v, mc, mc)  # mean over positions of (x - mean)^2, per (n, c)
-        rs2 = rs * rs
-        k = positions / self._divisor(positions)
-        p = torch.rsqrt((e * rs2).sum(1, keepdim=True) * k + self.eps)  # (N, 1)
-        sc0 = torch.addcmul(1.0 - alpha, p, alpha)
-        scale = sc0 * w if self.affine else sc0
-        a = scale * rs
-        b_ = torch.addcmul(b, a, mc) if self.affine else a * mc
-        return (a, b_), (rs, rs2, mc, e, p, alpha, sc0, w, scale, a, k, count)
+    def _config(self) -> 'UnitizationConfig':
+        return UnitizationConfig(self.eps, self.affine, self.n, self.norm_divisor, self.var_correction)
 
-    def coeff_vjp(self, res, grads, wants_stats):
-        """Closed-form VJP of :meth:`coeff_map`: (dm, dv, dmean, dvar, (d alpha, d weight, d bias))."""
-        rs, rs2, mc, e, p, alpha, sc0, w, scale, a, k, count = res
-        ga, gb = grads
-        ga_t = torch.addcmul(ga, gb, mc)  # B = A mc + beta
-        g_scale = ga_t * rs
-        if self.affine:
-            dw, db = (g_scale * sc0).sum(0), gb.sum(0)
-            g_sc0 = g_scale * w
-        else:
-            dw = db = None
-            g_sc0 = g_scale
-        dalpha = (g_sc0 * (p - 1.0)).sum(0)
-        ds = (g_sc0 * alpha).sum(1, keepdim=True) * p.pow(3) * (-0.5 * k)  # d loss / d (sum_c e rs^2), (N, 1)
-        de = ds * rs2
-        dm = torch.addcmul(gb * a, de, mc, value=2.0)
-        dmean = dvar = None
-        if wants_stats:
-            dmean = -dm.sum(0)
-            g_rs = torch.addcmul((ga_t * scale).sum(0), (ds * e).sum(0), rs, value=2.0)
-            dvar = g_rs * rs.pow(3) * (-0.5 * self._var_factor(count))
-        return dm, de, dmean, dvar, (dalpha, dw, db)
-
-    def triton_coeff_map(self, m, v, mean, var, params, positions, count):
-        """:meth:`coeff_map` as one Triton launch (``normdense/kernels/unitization.py``; int or None count)."""
-        from ..kernels import unitization as kernels
-        return kernels.coeff_map(m, v, mean, var, params, positions, count, eps=self.eps, affine=self.affine,
-                                 n=self.n, norm_divisor=self.norm_divisor, var_correction=self.var_correction)
-
-    def triton_coeff_vjp(self, res, grads, wants_stats):
-        """:meth:`coeff_vjp` as one Triton launch, for the residuals of :meth:`triton_coeff_map`."""
-        from ..kernels import unitization as kernels
-        return kernels.coeff_vjp(res, grads, wants_stats, affine=self.affine)
-
-    def _forward_recompute(self, x: torch.Tensor) -> torch.Tensor:
-        """Training forward keeping only x (half inputs stay half) for backward. The parameters are
-        passed into the checkpointed part, so the recomputation uses the forward's tensors."""
-        params = (self.alpha, self.weight, self.bias)
-        if self.mode == 'estimate':
-            # estimates updated once, here; the checkpointed part gets copies of the values used now
-            mean, var = self._stage1_stats(_compute_input(x))
-            return checkpoint_once(self._estimate_recomputable, x, mean.clone(), var.clone(), *params)
-        return checkpoint_once(self._batch_recomputable, x, *params)
-
-    def _estimate_recomputable(self, first, x, mean, var, alpha, weight, bias):
-        xf = _compute_input(x)
-        return self._unitize(xf, mean.to(xf.dtype), var.to(xf.dtype), alpha, weight, bias).to(x.dtype)
-
-    def _batch_recomputable(self, first, x, alpha, weight, bias):
-        # batch statistics; the running statistics are updated by the forward call only
-        xf = _compute_input(x)
-        mean, var = self._stage1_stats(xf, update=first, training=True)
-        return self._unitize(xf, mean, var, alpha, weight, bias).to(x.dtype)
+    def _coeff_maps(self, triton: bool):
+        cfg = self._config()
+        if triton:
+            from ..kernels import unitization as kernels  # triton imported only when the Triton backend runs
+            return (functools.partial(kernels.coeff_map, **cfg._asdict()),
+                    functools.partial(kernels.coeff_vjp, affine=cfg.affine))
+        return functools.partial(coeff_map, cfg), functools.partial(coeff_vjp, cfg)
 
     def _unitize(self, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, alpha: torch.Tensor, weight,
                  bias) -> torch.Tensor:
@@ -302,7 +264,7 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
         ``weight``/``bias`` None without affine)."""
         bshape = (1, -1) + (1,) * (x.dim() - 2)
         x_hat = (x - mean.view(bshape)) * torch.rsqrt(var.view(bshape) + self.eps)
-        n = self._divisor(x[0, 0].numel())
+        n = _divisor(self._config(), x[0, 0].numel())
         s = x_hat.pow(2).flatten(1).sum(1) / n                                  # (N,)
         p = torch.rsqrt(s + self.eps)
         alpha = alpha.to(x.dtype)
@@ -324,14 +286,7 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
             s += f', norm_divisor={self.norm_divisor!r}'
         if self.var_correction != 'none':
             s += f', var_correction={self.var_correction!r}'
-        if not self.fused:
-            s += ', fused=False'
-        if self.compiled:
-            s += ', compiled=True'
-        if self.backend:
-            s += f', backend={self.backend!r}'
-        if self.recompute:
-            s += ', recompute=True'
+        s += self._statnorm_repr()
         if self.mode == 'estimate':
             rate = self.update_rate if self.update_rate is not None else 'lr (EstimateRateHook)'
             return s + f', update_rate={rate}'

@@ -16,8 +16,9 @@ authors' public code, so it is an explicit choice (``formula``):
 
 The three are different functions of the same weights (biased vs unbiased variance, eps inside or
 outside the root; the difference compounds through a network), so the formula and eps a conv was trained
-with are saved *with its weights*: ``WSConv2d``'s state dict holds ``_extra_state`` = float64 ``[index in WS_FORMULAS, eps]`` (a tensor, so ``.cpu()``, ``.half()``,
-weights-only loads and mmengine's checkpoint tools handle it like any weight). Loading sets them, so a
+with are saved *with its weights*: ``WSConv2d``'s state dict holds ``_extra_state`` = float64
+``[index in WS_FORMULAS, eps]`` (a tensor, so ``.cpu()``, ``.half()``, weights-only loads and mmengine's
+checkpoint tools handle it like any weight). Loading sets them, so a
 reload, ``load_from``, ``--resume``, ``tools/test.py`` and ``tools/deploy.py`` compute the trained function
 whatever the config says; a disagreeing config gets one warning line per load. State dicts without the
 entry (saved before it existed) load strictly and keep the configured formula.
@@ -29,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._recompute import autocast_enabled
+from ._statnorm import autocast_enabled
 
 # Checkpoints store a formula as its index here: append new formulas, never reorder.
 WS_FORMULAS = ('paper', 'std_unbiased', 'var_unbiased')
@@ -52,8 +53,7 @@ def standardize_weight(weight: torch.Tensor, eps: float = 1e-5, formula: str = '
     flat = w.reshape(w.shape[0], -1)
     if formula == 'paper' and eps > 0 and flat.shape[1] > 1:
         # Eq. 7 as written is exactly layer_norm over each output channel's fan-in (biased variance, eps
-        # inside the root); the fused kernel runs 1.7-2.2x faster than batch_norm over [1, C_out, fan_in]
-        # and 6-8x faster than var_mean + arithmetic (fwd + bwd, CPU, one thread).
+        # inside the root): one fused kernel instead of var_mean + arithmetic (timings: docs/performance.md).
         with torch.autocast(device_type=w.device.type, enabled=False):
             out = F.layer_norm(flat, (flat.shape[1], ), eps=eps)
         return out.reshape(w.shape)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from mmengine.config import Config
 
-from normdense.layers.bcn import set_update_rate
+from normdense.layers import set_update_rate
 from tests.pretrain_utils import (IMAGENET_CONFIGS, ROOT, TOY_CONFIG, config_path, make_toy_imagenet, quiet,
                                   reduced_cfg)
 from tests.pretrain_utils import single_thread  # noqa: F401  (fixture)

@@ -307,3 +307,39 @@ def build_detector_from(config, build):
     model = build(cfg)
     model.init_weights()
     return model
+
+
+FOLD_SMALL_VAR = {
+    'unitization': lambda c: Unitization2d(c),
+    'unitization_hw_squared': lambda c: Unitization2d(c, norm_divisor='hw_squared'),
+    'unitization_estimate_no_affine': lambda c: Unitization2d(c, mode='estimate', update_rate=0.1, affine=False),
+    'bcn_estimate': lambda c: _bcn(c),
+}
+
+
+@pytest.mark.parametrize('with_conv', [True, False], ids=['folded', 'standalone'])
+@pytest.mark.parametrize('norm', sorted(FOLD_SMALL_VAR))
+def test_folding_is_exact_in_float64_with_small_variances(norm, with_conv):
+    """Running variances of 1e-4-1e-3 and WS weights of per-channel variance 1e-4-1e-3, where eps = 1e-5
+    changes the result by a few per cent: the fused float64 model equals the unfused one to rounding (a fold
+    that dropped eps, e.g. Unitization's eval affine or the WS standardization, passed the checks above)."""
+    g = torch.Generator().manual_seed(7)
+    layer = NORMS.get(norm, FOLD_SMALL_VAR[norm])(16).double()
+    conv = WSConv2d(6, 16, 3, padding=1, bias=True).double()
+    with torch.no_grad():
+        scale = 1e-2 * (1 + 2 * torch.rand(16, 1, 1, 1, generator=g, dtype=torch.float64))  # std 0.01-0.03
+        conv.weight.copy_(torch.randn(conv.weight.shape, generator=g, dtype=torch.float64) * scale + 0.1)
+        layer.running_mean.copy_(torch.randn(16, generator=g, dtype=torch.float64) * 0.01)
+        layer.running_var.copy_(1e-4 + 9e-4 * torch.rand(16, generator=g, dtype=torch.float64))
+        for p in layer.parameters():
+            p.copy_(p + 0.2 * torch.rand(p.shape, generator=g, dtype=torch.float64))
+    model = nn.Sequential(conv, layer) if with_conv else nn.Sequential(nn.Conv2d(6, 16, 1).double(), nn.ReLU(),
+                                                                      layer)
+    x = 0.01 * torch.randn(2, 6, 7, 9, generator=g, dtype=torch.float64)
+    model.eval()
+    with torch.no_grad():
+        ref = model(x)
+        fused = fuse(copy.deepcopy(model))
+        out = fused(x)
+    assert not any(isinstance(m, NORMDENSE_TYPES) for m in fused.modules()), fused
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10 * ref.abs().max().item())

@@ -68,14 +68,14 @@ def launches(monkeypatch):
 def _check(layer, inputs, grads, wants, tol, launches):
     m, v, mean, var, params = inputs
     count = m.shape[0] * 7 if wants else None
-    (a_t, b_t), res_t = layer.coeff_map(m, v, mean, var, params, 7, count)
-    (a_k, b_k), res_k = layer.triton_coeff_map(m, v, mean, var, params, 7, count)
+    (a_t, b_t), res_t = layer._coeff_maps(False)[0](m, v, mean, var, params, 7, count)
+    (a_k, b_k), res_k = layer._coeff_maps(True)[0](m, v, mean, var, params, 7, count)
     assert len(launches) == 1
     for got, want in ((a_k, a_t), (b_k, b_t)):
         assert got.dtype == m.dtype and not got.isnan().any()
         torch.testing.assert_close(got, want, **tol)
-    expected = layer.coeff_vjp(res_t, grads, wants)
-    got = layer.triton_coeff_vjp(res_k, grads, wants)
+    expected = layer._coeff_maps(False)[1](res_t, grads, wants)
+    got = layer._coeff_maps(True)[1](res_k, grads, wants)
     assert len(launches) == 2
     names = ('dm', 'dv', 'dmean', 'dvar', 'd batch_weight', 'd batch_bias', 'd weight', 'd bias')
     for name, g, e in zip(names, got[:4] + tuple(got[4]), expected[:4] + tuple(expected[4])):

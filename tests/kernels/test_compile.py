@@ -1,6 +1,7 @@
-"""The Triton backend under torch.compile: a layer's call is one torch.library operator (normdense::statnorm,
-its backward normdense::statnorm_backward), so Dynamo does not graph-break on the kernels, and the compiled
-model computes what the eager Triton path does (outputs, gradients, buffers, estimate iterations)."""
+"""The StatNorm layers under torch.compile, on either backend: a layer's call is one torch.library operator
+(normdense::statnorm, its backward normdense::statnorm_backward; normdense/kernels/torch_op.py), so Dynamo does
+not graph-break on the kernels or the estimate bookkeeping, and the compiled model computes what the eager path
+does (outputs, gradients, buffers, estimate iterations)."""
 import copy
 
 import pytest
@@ -13,16 +14,17 @@ COMPILED_CASES = ['bcn-estimate', 'bcn-batch-channel-affine', 'gnpn-gelu', 'lnpn
                   'unitization-batch-cumulative', 'unitization-estimate']
 
 
-def triton_layer(name):
+def triton_layer(name, backend='triton'):
     layer, _ = make(name)
-    layer.backend = 'triton'
+    layer.backend = backend
     return layer
 
 
+@pytest.mark.parametrize('backend', ['aten', 'triton'])
 @pytest.mark.parametrize('train', [True, False])
 @pytest.mark.parametrize('name', sorted(CASES))
-def test_no_graph_break(name, train, device):
-    layer = triton_layer(name).to(device).train(train)
+def test_no_graph_break(name, train, backend, device):
+    layer = triton_layer(name, backend).to(device).train(train)
     torch._dynamo.reset()
     x = torch.randn(2, C, 5, 6, dtype=torch.float64, device=device, requires_grad=True)
     explained = torch._dynamo.explain(layer)(x)
@@ -30,11 +32,12 @@ def test_no_graph_break(name, train, device):
     assert explained.graph_count == 1
 
 
+@pytest.mark.parametrize('backend', ['aten', 'triton'])
 @pytest.mark.parametrize('name', COMPILED_CASES)
-def test_compiled_equals_eager(name, device):
-    """torch.compile(fullgraph=True, backend='aot_eager') against the eager Triton path, float64: three
-    training steps (estimates and running statistics move, the iteration ends at each backward) and eval."""
-    eager = triton_layer(name).to(device)
+def test_compiled_equals_eager(name, backend, device):
+    """torch.compile(fullgraph=True, backend='aot_eager') against the eager path, float64: three training steps
+    (estimates and running statistics move, the iteration ends at each backward) and eval."""
+    eager = triton_layer(name, backend).to(device)
     twin = copy.deepcopy(eager)
     torch._dynamo.reset()
     compiled = torch.compile(twin, backend='aot_eager', fullgraph=True)
@@ -55,7 +58,7 @@ def test_forward_without_backward_frees_what_it_kept(device):
     """A compiled training forward whose graph is dropped without a backward (e.g. a loss never used) does not
     keep its activation: the operator's pending entry goes with the graph."""
     import gc
-    from normdense.layers import _statnorm_compile as op
+    from normdense.kernels import torch_op as op
     layer = triton_layer('bcn-batch').to(device)
     torch._dynamo.reset()
     compiled = torch.compile(layer, backend='aot_eager', fullgraph=True)
@@ -68,3 +71,35 @@ def test_forward_without_backward_frees_what_it_kept(device):
     assert len(op._PENDING) == before
     compiled(x).sum().backward()  # and a graph with its backward runs it
     assert len(op._PENDING) == before and x.grad is not None
+
+
+@pytest.mark.slow  # inductor compiles C++ for the conv and the loss: ~40 s on 2 CPU cores
+@pytest.mark.parametrize('compiler', ['aot_eager', 'inductor'])
+def test_compiled_training_step_on_the_aten_path(compiler):
+    """torch.compile(step, fullgraph=True) of a model's training step (conv, BCN estimate, GN+PN, Unitization;
+    the loss; backward and SGD outside) equals eager over several steps, float64 (before the engine redesign
+    Dynamo stopped at 'torch.* op returned non-Tensor')."""
+    import torch.nn as nn
+    from normdense.layers import BatchChannelNorm2d, GroupProxyNorm, Unitization2d
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Conv2d(3, C, 3, padding=1), BatchChannelNorm2d(C, 4, update_rate=0.1, backend='aten'),
+                          GroupProxyNorm(C, 4, act='gelu', backend='aten'),
+                          Unitization2d(C, momentum=None, backend='aten')).double()
+    twin = copy.deepcopy(eager)
+    models = {'eager': eager, 'compiled': twin}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.1) for k, m in models.items()}
+    steps = {k: (lambda m: lambda x: m(x).square().mean())(m) for k, m in models.items()}
+    torch._dynamo.reset()
+    steps['compiled'] = torch.compile(steps['compiled'], backend=compiler, fullgraph=True)
+    tol = 0 if compiler == 'aot_eager' else 1e-12  # inductor reorders the conv's and the loss's sums
+    for step in range(3):
+        x = torch.randn(2, 3, 6, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        losses = {}
+        for k in models:
+            losses[k] = steps[k](x)
+            losses[k].backward()
+            opts[k].step()
+            opts[k].zero_grad()
+        torch.testing.assert_close(losses['compiled'], losses['eager'], rtol=tol, atol=tol)
+        for (name, a), b in zip(eager.state_dict().items(), twin.state_dict().values()):
+            torch.testing.assert_close(b, a, rtol=tol, atol=tol, msg=name)

@@ -1,5 +1,5 @@
 """GN+PN's Triton coefficient map and VJP (normdense/kernels/proxy_norm.py, through the layer's
-``triton_coeff_map`` / ``triton_coeff_vjp``) against the layer's torch ``coeff_map`` / ``coeff_vjp``: every
+``_coeff_maps(True)``) against the layer's torch ``coeff_map`` / ``coeff_vjp``: every
 activation, proxy scaling and proxy affine on and off, channels per group 1, 4, 16 and LN+PN (one group),
 random moments (some v = 0) and parameters, float64 to ~1e-12 and float32 to ~1e-5; one launch each."""
 import pytest
@@ -57,8 +57,8 @@ def _check(act, scaling, affine, shape, dtype, device, param_dtype=None, strided
     layer = _layer(act, scaling, affine, c, groups, samples, param_dtype or dtype, device)
     m, v = _moments(n, c, dtype, device)
     params = tuple(layer._statnorm_params())
-    coeffs, res = layer.coeff_map(m, v, None, None, params, 11, None)
-    t_coeffs, t_res = layer.triton_coeff_map(m, v, None, None, params, 11, None)
+    coeffs, res = layer._coeff_maps(False)[0](m, v, None, None, params, 11, None)
+    t_coeffs, t_res = layer._coeff_maps(True)[0](m, v, None, None, params, 11, None)
     assert len(t_coeffs) == 4 and all(t.shape == (n, c) and t.dtype == dtype for t in t_coeffs)
     for actual, expected in zip(t_coeffs, coeffs):
         _close(actual, expected, TOL[dtype])
@@ -66,8 +66,8 @@ def _check(act, scaling, affine, shape, dtype, device, param_dtype=None, strided
     if strided:  # transposed and expanded gradients: the kernel takes strides
         grads[0] = grads[0].t().contiguous().t()
         grads[2] = torch.randn(c, dtype=dtype, device=device).expand(n, c)
-    expected = layer.coeff_vjp(res, grads, False)
-    actual = layer.triton_coeff_vjp(t_res, grads, False)
+    expected = layer._coeff_maps(False)[1](res, grads, False)
+    actual = layer._coeff_maps(True)[1](t_res, grads, False)
     for a, e in zip(actual[:4], expected[:4]):
         _close(a, e, TOL[dtype])
     assert len(actual[4]) == 4
@@ -123,9 +123,9 @@ def test_one_launch_each(monkeypatch, device):
     monkeypatch.setattr(type(kernels[0]), 'run', counted)
     layer = _layer('gelu', True, True, 24, 3, 17, torch.float32, device)
     m, v = _moments(3, 24, torch.float32, device)
-    coeffs, res = layer.triton_coeff_map(m, v, None, None, tuple(layer._statnorm_params()), 5, None)
+    coeffs, res = layer._coeff_maps(True)[0](m, v, None, None, tuple(layer._statnorm_params()), 5, None)
     assert launches == [kernels[0]]
-    layer.triton_coeff_vjp(res, [torch.randn_like(m) for _ in range(4)], False)
+    layer._coeff_maps(True)[1](res, [torch.randn_like(m) for _ in range(4)], False)
     assert launches == [kernels[0], kernels[1]]
 
 

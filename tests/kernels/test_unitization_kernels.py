@@ -52,14 +52,14 @@ def _check(layer, N, C, dtype, device, stats, param_dtype=None):
     count = N * POSITIONS if stats == 'batch' else None
     wants = stats == 'batch'
     tol = TOL[dtype]
-    coeffs, res = layer.coeff_map(m, v, mean, var, params, POSITIONS, count)
-    t_coeffs, t_res = layer.triton_coeff_map(m, v, mean, var, params, POSITIONS, count)
+    coeffs, res = layer._coeff_maps(False)[0](m, v, mean, var, params, POSITIONS, count)
+    t_coeffs, t_res = layer._coeff_maps(True)[0](m, v, mean, var, params, POSITIONS, count)
     assert len(t_coeffs) == len(coeffs)
     for i, (got, want) in enumerate(zip(t_coeffs, coeffs)):
         assert got.dtype == dtype and not got.isnan().any(), i
         torch.testing.assert_close(got, want, **tol, msg=f'coefficient {i}')
-    dm, dv, dmean, dvar, dparams = layer.coeff_vjp(res, grads, wants)
-    t_dm, t_dv, t_dmean, t_dvar, t_dparams = layer.triton_coeff_vjp(t_res, grads, wants)
+    dm, dv, dmean, dvar, dparams = layer._coeff_maps(False)[1](res, grads, wants)
+    t_dm, t_dv, t_dmean, t_dvar, t_dparams = layer._coeff_maps(True)[1](t_res, grads, wants)
     want = [dm, dv, dmean, dvar, *dparams]
     got = [t_dm, t_dv, t_dmean, t_dvar, *t_dparams]
     for i, (g_, w_) in enumerate(zip(got, want)):
@@ -120,7 +120,7 @@ def test_one_launch_each(affine, stats, device, monkeypatch):
     layer = _layer(20, affine, None, 'hw', 'none')
     m, v, mean, var, grads = _inputs(3, 20, torch.float32, device)
     count = 21 if stats == 'batch' else None
-    _, res = layer.triton_coeff_map(m, v, mean, var, _params(layer, torch.float32, device), POSITIONS, count)
+    _, res = layer._coeff_maps(True)[0](m, v, mean, var, _params(layer, torch.float32, device), POSITIONS, count)
     assert launches == [kernels._coeff_map_kernel]
-    layer.triton_coeff_vjp(res, grads, stats == 'batch')
+    layer._coeff_maps(True)[1](res, grads, stats == 'batch')
     assert launches == [kernels._coeff_map_kernel, kernels._coeff_vjp_kernel]

@@ -1,11 +1,10 @@
-"""The fused path of BCN, GN+PN and Unitization (normdense/layers/_fused.py, the default) against the
-reference composition of each layer (``fused=False``): outputs, input and parameter gradients and buffers
-over several training steps in float64, gradcheck, half precision, shared layers, empty and 1x1 inputs,
-saved memory, and the deprecation of ``recompute``."""
+"""The StatNorm engine of BCN, GN+PN and Unitization (normdense/layers/_statnorm.py on the ATen backend, the
+default) against the reference composition of each layer (``fused=False``): outputs, input and parameter
+gradients and buffers over several training steps in float64, gradcheck, half precision, shared layers, empty
+and 1x1 inputs, saved memory, and the removed options (``recompute``, ``compiled``)."""
 import contextlib
 import copy
 import functools
-import warnings
 
 import pytest
 import torch
@@ -233,20 +232,12 @@ def test_frozen_parameters_and_input_without_grad():
     torch.testing.assert_close(fused.bias.grad, ref.bias.grad)
 
 
-@pytest.mark.parametrize('cls, kwargs', [(BatchChannelNorm2d, dict(num_groups=4, update_rate=0.1)),
-                                         (GroupProxyNorm, dict(num_groups=4)), (Unitization2d, {})])
-def test_recompute_is_deprecated_with_the_fused_path(cls, kwargs):
-    with pytest.warns(DeprecationWarning, match='recompute'):
-        layer = cls(C, recompute=True, **kwargs)
-    plain = cls(C, **kwargs)
-    assert layer.state_dict().keys() == plain.state_dict().keys()
-    x = torch.randn(2, C, 4, 4)
-    torch.testing.assert_close(layer(x), plain(x))
-    assert saved_bytes(lambda: layer(x.requires_grad_(True)), list(layer.parameters())) == \
-        saved_bytes(lambda: plain(x), list(plain.parameters()))
-    with warnings.catch_warnings():
-        warnings.simplefilter('error', DeprecationWarning)
-        assert cls(C, recompute=True, fused=False, **kwargs).recompute  # the reference path still recomputes
+@pytest.mark.parametrize('cls', [BatchChannelNorm2d, GroupProxyNorm, Unitization2d])
+@pytest.mark.parametrize('option', ['recompute', 'compiled'])
+def test_removed_options_are_refused(cls, option):
+    """recompute= (the engine keeps only x) and compiled= (torch.compile the model instead) are gone."""
+    with pytest.raises(TypeError, match=option):
+        cls(C, **{option: True})
 
 
 def test_set_fused_switches_every_layer():
@@ -255,41 +246,6 @@ def test_set_fused_switches_every_layer():
     assert set_fused(model, False) == 3 and not any(getattr(m, 'fused', False) for m in model)
     assert 'fused=False' in repr(model[0]) and 'fused=False' in repr(model[1]) and 'fused=False' in repr(model[2])
     assert set_fused(model, True) == 3 and all(m.fused for m in model[:3])
-
-
-@pytest.mark.slow  # the first call compiles (~30 s on 2 CPU cores; inductor caches on disk)
-@pytest.mark.parametrize('name', ['bcn-batch', 'unitization-estimate', 'gnpn-gelu'])
-def test_compiled_kernels_equal_reference(name):
-    """compiled=True: the same passes as torch.compile'd kernels, float64, against the reference."""
-    import normdense.layers._compiled as compiled_mod
-    fused, ref = make(name)
-    fused.compiled = True
-    xs = [torch.randn(2, C, 5, 6, dtype=torch.float64) * 2 + 1, torch.randn(1, C, 3, 4, dtype=torch.float64)]
-    with warnings.catch_warnings():
-        warnings.simplefilter('error', RuntimeWarning)  # a fallback to the eager kernels would hide the test
-        assert_same(run(fused, xs), run(ref, xs))
-        fused.eval(), ref.eval()
-        with torch.no_grad():
-            torch.testing.assert_close(fused(xs[0]), ref(xs[0]), rtol=1e-12, atol=1e-12)
-    assert not compiled_mod._BROKEN
-
-
-def test_compiled_falls_back_to_eager_with_a_warning(monkeypatch):
-    import normdense.layers._compiled as compiled_mod
-
-    def no_compiler(act):
-        raise RuntimeError('no C++ compiler found\nlong traceback')
-
-    monkeypatch.setattr(compiled_mod, '_kernels', no_compiler)
-    monkeypatch.setattr(compiled_mod, '_BROKEN', {})
-    monkeypatch.setattr(compiled_mod.CompiledKernels, '_cache', {})
-    fused, ref = make('gnpn-relu')
-    fused.compiled = True
-    xs = [torch.randn(2, C, 5, 6, dtype=torch.float64)]
-    with pytest.warns(RuntimeWarning, match='torch.compile of the fused norm kernels failed .RuntimeError: no C'):
-        result = run(fused, xs)
-    assert_same(result, run(ref, xs))
-    assert 'compiled=True' in repr(fused)
 
 
 @pytest.mark.parametrize('name', sorted(CASES))

@@ -415,3 +415,20 @@ def test_a_group_without_covariance_leaves_the_other_groups_updates_intact(group
                                    rtol=1e-12, atol=1e-12)
     assert torch.equal(dead.running_wm[group], fresh.running_wm[group])
     assert not torch.equal(live.running_wm[group], fresh.running_wm[group])  # that group did move with data
+
+
+@pytest.mark.parametrize('variance, live', [(3e-6, False), (8e-6, False), (2e-5, True)],
+                         ids=['between-eps/d-and-eps', 'just-below-eps', 'above-eps'])
+def test_live_group_threshold_is_the_mean_channel_variance_against_eps(variance, live):
+    """A group is live when tr(C) > d * eps (mean channel variance above eps), not tr(C) > eps: a batch whose
+    variance lies between eps / d and eps leaves the running statistics; one above eps moves them."""
+    d, eps = 8, 1e-5
+    layer = IterNorm(d, group_size=d, eps=eps, momentum=0.5).double()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, d, 6, 6, generator=g, dtype=torch.float64)
+    x = (x - x.mean((0, 2, 3), keepdim=True)) / x.std((0, 2, 3), correction=0, keepdim=True)
+    x = x * variance ** 0.5 + 1.0  # every channel's batch variance exactly `variance`
+    before = {n: b.clone() for n, b in layer.named_buffers()}
+    layer.train()(x)
+    moved = [n for n, b in layer.named_buffers() if n != 'num_batches_tracked' and not torch.equal(b, before[n])]
+    assert bool(moved) == live, (variance, moved)

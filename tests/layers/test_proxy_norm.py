@@ -9,7 +9,6 @@ from mmcv.cnn import build_norm_layer
 
 import normdense  # noqa: F401  (registers GNPN)
 from normdense.layers.proxy_norm import GroupProxyNorm, proxy_quantiles
-from tests.layers.recompute_checks import assert_recompute_matches_plain, assert_saves_only_the_input, saved_bytes
 
 ACTS = {
     'relu': lambda t: torch.clamp(t, min=0),
@@ -244,64 +243,3 @@ def test_build_errors(cfg, match):
         build_norm_layer(cfg, 32)
 
 
-# --- recompute=True (reference path, fused=False): only the input is kept, the rest recomputed -----------
-
-@pytest.mark.parametrize('act, groups, shapes', [('relu', 4, [(2, 8, 5, 4), (1, 8, 3, 3)]),
-                                                 ('gelu', 1, [(3, 8), (2, 8)])])
-@pytest.mark.parametrize('autocast, eval_before_backward', [(False, False), (True, False), (False, True)])
-def test_recompute_equals_plain_autograd(act, groups, shapes, autocast, eval_before_backward):
-    """Outputs, input and parameter gradients identical with and without recompute, for a layer called
-    twice before one backward; GNPN draws no random numbers (deterministic proxy quantiles), so the
-    recomputation needs no RNG state and leaves the global RNG alone."""
-    torch.manual_seed(8)
-    layer = randomize(GroupProxyNorm(8, num_groups=groups, act=act, fused=False), seed=9)
-    xs = [torch.randn(s) * 2 + 0.5 for s in shapes]
-    if autocast:
-        xs = [x.bfloat16() for x in xs]
-    rng = torch.get_rng_state()
-    assert_recompute_matches_plain(layer.train(), xs, autocast=autocast, eval_before_backward=eval_before_backward)
-    assert torch.equal(torch.get_rng_state(), rng)
-
-
-def test_recompute_gradcheck_float64():
-    torch.manual_seed(4)
-    layer = randomize(GroupProxyNorm(4, num_groups=2, act='silu', num_samples=16, recompute=True, fused=False), seed=5).double()
-    x = torch.randn(2, 4, 3, 2, dtype=torch.float64, requires_grad=True)
-    # values unlike the module's own parameters: the recomputation in backward must use these
-    params = {k: (v.detach() * 0.8 + 0.1).requires_grad_(True) for k, v in layer.named_parameters()}
-    keys = sorted(params)
-
-    def f(inp, *ps):  # parameters passed in (functional_call)
-        return torch.func.functional_call(layer, dict(zip(keys, ps)), (inp, ))
-
-    assert torch.autograd.gradcheck(f, (x, *[params[k] for k in keys]))
-
-
-def test_recompute_saves_only_the_input():
-    """Plain GN+PN keeps three activation-sized tensors and the proxy statistics' (C, n) graph for
-    backward, with recompute only the input, as nn.GroupNorm."""
-    plain, rec = GroupProxyNorm(32, 8, fused=False), GroupProxyNorm(32, 8, recompute=True, fused=False)
-    assert_saves_only_the_input(plain, rec, torch.randn(2, 32, 8, 8), plain_factor=3)
-
-
-def test_recompute_inactive_in_eval_without_grad_and_on_empty_input():
-    layer = randomize(GroupProxyNorm(8, num_groups=4, fused=False))
-    rec = copy.deepcopy(layer)
-    rec.recompute = True
-    x = torch.randn(2, 8, 4, 4)
-    with torch.no_grad():
-        assert torch.equal(rec(x), layer(x))
-    rec.eval()
-    layer.eval()
-    x.requires_grad_(True)
-    assert (saved_bytes(lambda: rec(x), list(rec.parameters()))
-            == saved_bytes(lambda: layer(x), list(layer.parameters())))
-    empty = torch.zeros(0, 8, 7, 7, requires_grad=True)
-    rec.train()(empty).sum().backward()
-    assert empty.grad.shape == empty.shape
-
-
-def test_recompute_from_config_keeps_state_dict_keys():
-    _, layer = build_norm_layer(dict(type='GNPN', num_groups=8, recompute=True, fused=False), 32)
-    assert layer.recompute and 'recompute=True' in repr(layer) and not GroupProxyNorm(32).recompute
-    assert set(layer.state_dict()) == set(GroupProxyNorm(32, 8).state_dict())

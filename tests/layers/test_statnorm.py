@@ -1,4 +1,4 @@
-"""The StatNorm engine (normdense/layers/_statnorm.py): each layer's closed-form coefficient VJP against
+"""The StatNorm engine (normdense/layers/_statnorm.py, backends in normdense/kernels/): each layer's closed-form coefficient VJP against
 autograd of its pure coefficient map (float64, every layer and mode), the activations' closed-form
 derivatives, ATen operator counts per forward + backward, activations read in their own dtype, and no
 import cycles in normdense/. (Equality of the fused layers with their reference compositions, gradcheck,
@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from benchmarks._timing import count_ops
-from normdense.layers import StatNorm2d
+from normdense.layers._statnorm import StatNorm2d
 from normdense.layers._activations import PROXY_NORM_ACTIVATIONS, activation
 from tests.layers.test_fused import CASES, C
 
@@ -51,14 +51,14 @@ def test_coeff_vjp_equals_autograd_of_the_coefficient_map(name, kind):
     mean, var = (rnd(C), rnd(C, positive=True)) if name in FIRST_STAGE else (None, None)
     count = n * positions if kind == 'batch' else None
     params = [p.detach().clone().requires_grad_() if p is not None else None for p in layer._statnorm_params()]
-    coeffs, res = layer.coeff_map(m, v, mean, var, params, positions, count)
+    coeffs, res = layer._coeff_maps(False)[0](m, v, mean, var, params, positions, count)
     cotangents = [torch.randn(c.shape, generator=g, dtype=torch.float64) for c in coeffs]
     wants = kind == 'batch'
     leaves = [m, v] + ([mean, var] if wants else []) + [p for p in params if p is not None]
     live = [(c, t) for c, t in zip(coeffs, cotangents) if c.requires_grad]  # K = 1 without PN's scaling
     expected = torch.autograd.grad([c for c, _ in live], leaves, [t for _, t in live], allow_unused=True)
     with torch.no_grad():
-        dm, dv, dmean, dvar, dparams = layer.coeff_vjp(res, cotangents, wants)
+        dm, dv, dmean, dvar, dparams = layer._coeff_maps(False)[1](res, cotangents, wants)
     got = [dm, dv] + ([dmean, dvar] if wants else []) + [d for d, p in zip(dparams, params) if p is not None]
     assert len(got) == len(expected)
     for i, (a, e) in enumerate(zip(got, expected)):
@@ -190,8 +190,11 @@ def test_no_import_cycles_in_normdense():
 
 
 def test_backends_import_nothing_above_them():
+    """Arrows point down: layers -> _statnorm -> kernels; nothing in normdense/kernels/ imports a layer."""
     graph = _module_imports()
-    for backend in ('normdense.layers._fused', 'normdense.layers._compiled'):
-        assert graph[backend] <= {'normdense.layers._fused'}, (backend, graph[backend])
+    kernels = [m for m in graph if m.startswith('normdense.kernels')]
+    assert {'normdense.kernels.aten', 'normdense.kernels.triton', 'normdense.kernels.torch_op'} <= set(kernels)
+    for mod in kernels:
+        assert all(d.startswith('normdense.kernels') for d in graph[mod]), (mod, graph[mod])
     engine = graph['normdense.layers._statnorm']
     assert not any(m.endswith(('bcn', 'proxy_norm', 'unitization')) for m in engine), engine

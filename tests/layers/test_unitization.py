@@ -8,9 +8,8 @@ import torch.nn.functional as F
 from mmcv.cnn import build_norm_layer
 
 import normdense  # noqa: F401  (registers 'Unitization')
-from normdense.layers.bcn import set_update_rate
+from normdense.layers import set_update_rate
 from normdense.layers.unitization import Unitization2d
-from tests.layers.recompute_checks import assert_recompute_matches_plain, assert_saves_only_the_input, saved_bytes
 
 
 def randomize(layer, seed=0):
@@ -267,93 +266,6 @@ def test_empty_batch_keeps_buffers(mode):
     # in the graph (DDP sees every parameter used) with an exact zero gradient
     for p in layer.parameters():
         assert torch.equal(p.grad, torch.zeros_like(p))
-
-
-# --- recompute=True (reference path, fused=False): only the input is kept, the rest recomputed -----------
-
-def _with_state(mode, **kwargs):
-    layer = randomize(Unitization2d(6, mode=mode, update_rate=0.3 if mode == 'estimate' else None, fused=False,
-                                   **kwargs))
-    with torch.no_grad():
-        layer.running_mean.copy_(torch.linspace(-1, 1, 6))
-        layer.running_var.copy_(torch.linspace(0.5, 2, 6))
-    return layer.train()
-
-
-@pytest.mark.parametrize('mode, kwargs', [('batch', {}), ('batch', dict(momentum=None, affine=False)),
-                                          ('estimate', {}), ('estimate', dict(n=4.0))])
-@pytest.mark.parametrize('autocast, eval_before_backward', [(False, False), (True, False), (False, True)])
-def test_recompute_equals_plain_autograd(mode, kwargs, autocast, eval_before_backward):
-    """Outputs, gradients, statistics (incl. num_batches_tracked) identical with and without recompute,
-    for a layer called twice before one backward; batch statistics move once per call, estimates once per
-    iteration, and backward leaves them."""
-    torch.manual_seed(0)
-    layer = _with_state(mode, **kwargs)
-    xs = [torch.randn(2, 6, 4, 5) * 2 + 1, torch.randn(3, 6, 3, 3) - 1]
-    if autocast:
-        xs = [x.bfloat16() for x in xs]
-    reference = copy.deepcopy(layer)
-    with torch.no_grad():
-        for x in xs:
-            reference(x)
-    rec = assert_recompute_matches_plain(layer, xs, autocast=autocast, eval_before_backward=eval_before_backward)
-    for name, buf in reference.named_buffers():
-        assert torch.equal(buf, dict(rec.named_buffers())[name]), name
-    # batch mode tracks per call (as nn.BatchNorm); estimate mode counts iterations (both calls are one)
-    assert int(rec.num_batches_tracked) == (2 if mode == 'batch' else 1)
-
-
-@pytest.mark.parametrize('mode', ['batch', 'estimate'])
-def test_recompute_gradcheck_float64(mode):
-    torch.manual_seed(0)
-    layer = _with_state(mode, recompute=True).double()
-    if mode == 'estimate':
-        layer.update_rate = 0.0  # estimates fixed: every gradcheck evaluation sees the same ones
-    state = {k: v.clone() for k, v in layer.state_dict().items()}
-    x = torch.randn(2, 6, 3, 2, dtype=torch.float64, requires_grad=True)
-
-    def fn(inp, alpha, weight, bias):  # parameters passed in (functional_call)
-        layer.load_state_dict(state)
-        return torch.func.functional_call(layer, {'alpha': alpha, 'weight': weight, 'bias': bias}, (inp,))
-
-    # values unlike the module's own parameters: the recomputation in backward must use these
-    inputs = (x,) + tuple((p.detach() * 0.8 + 0.1).requires_grad_() for p in params(layer))
-    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-6, rtol=1e-5)
-
-
-@pytest.mark.parametrize('mode, plain_factor', [('batch', 3), ('estimate', 1)])
-def test_recompute_saves_only_the_input(mode, plain_factor):
-    """Plain batch-mode Unitization keeps three activation-sized tensors for backward, estimate mode one;
-    with recompute both keep only the input, as nn.GroupNorm."""
-    kw = dict(mode=mode, update_rate=0.1 if mode == 'estimate' else None)
-    plain, rec = Unitization2d(32, fused=False, **kw), Unitization2d(32, recompute=True, fused=False, **kw)
-    assert_saves_only_the_input(plain, rec, torch.randn(2, 32, 8, 8), plain_factor)
-
-
-def test_recompute_inactive_in_eval_without_grad_and_on_empty_input():
-    layer = _with_state('batch')
-    rec = copy.deepcopy(layer)
-    rec.recompute = True
-    x = torch.randn(2, 6, 4, 4)
-    with torch.no_grad():
-        assert torch.equal(rec(x), layer(x))
-        assert torch.equal(rec.running_var, layer.running_var)
-    rec.eval()
-    layer.eval()
-    x.requires_grad_(True)
-    assert (saved_bytes(lambda: rec(x), list(rec.parameters()))
-            == saved_bytes(lambda: layer(x), list(layer.parameters())))
-    for mode in ('batch', 'estimate'):
-        layer = _with_state(mode, recompute=True)
-        before = layer.running_mean.clone()
-        layer(torch.zeros(0, 6, 7, 7, requires_grad=True)).sum().backward()
-        assert torch.equal(layer.alpha.grad, torch.zeros(6)) and torch.equal(layer.running_mean, before)
-
-
-def test_recompute_from_config_keeps_state_dict_keys():
-    _, layer = build_norm_layer(dict(type='Unitization', recompute=True, fused=False), 6)
-    assert layer.recompute and 'recompute=True' in repr(layer) and not Unitization2d(6).recompute
-    assert set(layer.state_dict()) == set(Unitization2d(6).state_dict())
 
 
 # --- inside mmdet / mmseg models built from config (tests/mm_models.py) -------------------------------

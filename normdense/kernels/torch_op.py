@@ -1,14 +1,17 @@
-"""The Triton backend under ``torch.compile``: a layer's call is one operator registered through torch.library,
-``normdense::statnorm``, and its backward ``normdense::statnorm_backward``.
+"""A StatNorm layer's call under ``torch.compile``: one operator registered through torch.library,
+``normdense::statnorm``, and its backward ``normdense::statnorm_backward``, on either backend.
 
-Dynamo cannot trace Triton's launch machinery (or its interpreter), and the engine's per-iteration
-bookkeeping (estimate mode, checkpoint recomputation) is Python state; as an operator the call is opaque to
-the compiler and runs the eager Triton path (the same kernels, the same launches) when the compiled graph
-executes. The module's buffers go in as arguments and their new values come out (an operator with an
-autograd formula must be functional; the traced code copies them back into the buffers); the parameters go
-in as inputs, so the operator's backward returns their gradients. The forward
-keeps the eager path's autograd graph under a ticket (a CPU int64 scalar: reading it syncs nothing) that the
-backward consumes.
+Dynamo cannot trace Triton's launch machinery, and the engine's per-iteration bookkeeping (estimate mode,
+checkpoint recomputation) is Python state; as an operator the call is opaque to the compiler and runs the eager
+engine (the same kernels, the same launches) when the compiled graph executes. The module's buffers go in as
+arguments and their new values come out (an operator with an autograd formula must be functional; the traced
+code copies them back into the buffers); the parameters go in as inputs, so the operator's backward returns
+their gradients. The forward keeps the eager path's backward state under a ticket (a CPU int64 scalar:
+reading it syncs nothing) that the backward consumes.
+
+Imports no layer: a layer is reached through :func:`handle` and its duck-typed ``_statnorm_eager(x, keep)``
+(the engine's forward without an autograd graph, appending (state, backward function) to ``keep``),
+``_statnorm_params()`` and ``_statnorm_dtypes(x)``.
 """
 import contextlib
 import itertools
@@ -17,12 +20,10 @@ from typing import List, Tuple
 
 import torch
 
-from ._estimate import mark_iteration
-
-_LAYERS = weakref.WeakValueDictionary()  # handle -> layer
-_PENDING = {}  # ticket -> (the eager path's backward state, whether it ends an iteration)
+_LAYERS = weakref.WeakValueDictionary()  # why: the operator's schema takes strings, not modules
+_PENDING = {}  # why: a forward's backward state until its backward runs (ticket -> (state, backward fn))
 _STATE = ('running_mean', 'running_var', 'num_batches_tracked')  # the buffers a call may write
-_TICKETS = itertools.count(1)
+_TICKETS = itertools.count(1)  # why: a forward's key into _PENDING, unique per process
 _MAX_PENDING = 4096  # a safety net: forwards whose graph is alive without a backward, the oldest dropped
 
 
@@ -37,55 +38,44 @@ def _state_names(layer):
     return [n for n in _STATE if layer._buffers.get(n) is not None]
 
 
-def state_of(layer) -> List[torch.Tensor]:
-    return [layer._buffers[n] for n in _state_names(layer)]
-
-
-@contextlib.contextmanager
-def _swapped(layer, params, state):
-    """The layer reads ``params`` and writes ``state`` (the operator's arguments, which functionalization may
-    have copied) instead of its own parameters and buffers, for the length of the call."""
-    names = _state_names(layer)
-    p_names = _param_names(layer)
-    saved_p = {n: layer._parameters[n] for n in p_names}
-    saved_b = {n: layer._buffers[n] for n in names}
-    try:
-        for n, p in zip(p_names, params):
-            layer._parameters[n] = p
-        for n, b in zip(names, state):
-            layer._buffers[n] = b
-        yield
-    finally:
-        layer._parameters.update(saved_p)
-        layer._buffers.update(saved_b)
-
-
 def _param_names(layer):
     # the names of _statnorm_params() in order (None entries: absent parameters)
     by_id = {id(p): n for n, p in layer._parameters.items() if p is not None}
     return [by_id.get(id(p)) for p in layer._statnorm_params() if p is not None]
 
 
+@contextlib.contextmanager
+def _swapped(layer, params, state):
+    """The layer reads ``params`` and writes ``state`` (the operator's arguments, which functionalization may
+    have copied) instead of its own parameters and buffers, for the length of the call."""
+    names, p_names = _state_names(layer), _param_names(layer)
+    saved_p = {n: layer._parameters[n] for n in p_names}
+    saved_b = {n: layer._buffers[n] for n in names}
+    try:
+        layer._parameters.update(zip(p_names, params))
+        layer._buffers.update(zip(names, state))
+        yield
+    finally:
+        layer._parameters.update(saved_p)
+        layer._buffers.update(saved_b)
+
+
 @torch.library.custom_op('normdense::statnorm', mutates_args=())
 def statnorm(x: torch.Tensor, params: List[torch.Tensor], state: List[torch.Tensor], layer: str,
              needs_grad: bool) -> Tuple[torch.Tensor, torch.Tensor, List[torch.Tensor]]:
-    """(y, ticket, new state) of the layer's eager Triton path on x; ``params`` the present (not None) ones of
-    its ``_statnorm_params()``, in order."""
-    from ._statnorm_triton import triton_forward
+    """(y, ticket, new state) of the layer's eager engine on x; ``params`` the present (not None) ones of its
+    ``_statnorm_params()``, in order."""
     mod = _LAYERS[layer]
     state = [b.clone() for b in state]  # written by the call, returned
     keep = [] if needs_grad else None
     with _swapped(mod, params, state):
-        y = triton_forward(mod, x, keep)
-    if y is None:
-        raise RuntimeError(f'{type(mod).__name__}: a Triton kernel failed to compile inside a torch.compile\'d '
-                           'model; set NORMDENSE_BACKEND=aten (docs/gpu.md)')
+        y = mod._statnorm_eager(x, keep)
     if not needs_grad:
         return y, torch.zeros((), dtype=torch.int64), state
     ticket = next(_TICKETS)
     if len(_PENDING) >= _MAX_PENDING:
         _PENDING.pop(next(iter(_PENDING)))
-    _PENDING[ticket] = (keep[0], mod.__dict__.get('_op_marks_iteration', False))
+    _PENDING[ticket] = keep[0]
     held = torch.full((), ticket, dtype=torch.int64)
     # the autograd graph keeps the ticket for the backward; a graph dropped without one frees what it holds
     weakref.finalize(held, _PENDING.pop, ticket, None)
@@ -94,8 +84,7 @@ def statnorm(x: torch.Tensor, params: List[torch.Tensor], state: List[torch.Tens
 
 @statnorm.register_fake
 def _(x, params, state, layer, needs_grad):
-    mod = _LAYERS[layer]
-    out_dtype = mod._statnorm_dtypes(x)[1]
+    out_dtype = _LAYERS[layer]._statnorm_dtypes(x)[1]
     return (x.new_empty(x.shape, dtype=out_dtype), torch.empty((), dtype=torch.int64),
             [torch.empty_like(b) for b in state])
 
@@ -104,11 +93,8 @@ def _(x, params, state, layer, needs_grad):
 def statnorm_backward(ticket: torch.Tensor, dy: torch.Tensor, x: torch.Tensor,
                       params: List[torch.Tensor]) -> List[torch.Tensor]:
     """The gradients of x and the present parameters of the forward ``ticket`` names, for dy."""
-    from ._statnorm_triton import backward_of
-    ctx, marks = _PENDING.pop(int(ticket))
-    dx, *dparams = backward_of(ctx, dy)
-    if marks:  # an estimate-mode layer: a backward through it ends the iteration (watch_estimate_call)
-        mark_iteration()
+    ctx, backward = _PENDING.pop(int(ticket))
+    dx, dparams = backward(ctx, dy)
     present = [d for d, p in zip(dparams, ctx.params) if p is not None]
     return [dx.view(x.shape)] + [torch.zeros_like(p) if d is None else d for d, p in zip(present, params)]
 
@@ -134,12 +120,10 @@ statnorm.register_autograd(_backward, setup_context=_setup)
 
 
 def compiled_call(layer, x):
-    """The layer's output on the Triton backend inside a torch.compile'd region: one operator call."""
+    """The layer's output inside a torch.compile'd region: one operator call."""
     params = [p for p in layer._statnorm_params() if p is not None]
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
-    if getattr(layer, 'mode', None) == 'estimate' and layer.training:
-        layer.__dict__['_op_marks_iteration'] = True  # watch_estimate_call: this operator's backward marks
-    state = state_of(layer)
+    state = [layer._buffers[n] for n in _state_names(layer)]
     y, _, new_state = torch.ops.normdense.statnorm(x, params, state, handle(layer), needs_grad)
     with torch.no_grad():
         for b, new in zip(state, new_state):

@@ -1,9 +1,9 @@
-"""Shared arithmetic of the layers' eval-time maps (``eval_affine`` / ``eval_linear``), which
-``normdense.deploy.fuse`` folds into the neighbouring conv. Everything is returned in float64 so that folding
-loses no precision before the final cast."""
+"""Small helpers of the layers: the float64 arithmetic of the eval-time maps (``eval_affine`` /
+``eval_linear``, folded by ``normdense.deploy.fuse``) and the per-channel affine parameters."""
 from typing import Optional, Tuple
 
 import torch
+import torch.nn as nn
 
 
 def f64(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -22,3 +22,13 @@ def standardization_affine(mean: torch.Tensor, var: torch.Tensor, eps: float, we
     if bias is not None:
         shift = f64(bias) + shift
     return scale, shift
+
+
+def affine_parameters(module: nn.Module, num_features: int, affine: bool) -> None:
+    """``weight`` (ones) and ``bias`` (zeros) per channel, or both registered as None without affine."""
+    if affine:
+        module.weight = nn.Parameter(torch.ones(num_features))
+        module.bias = nn.Parameter(torch.zeros(num_features))
+    else:
+        module.register_parameter('weight', None)
+        module.register_parameter('bias', None)

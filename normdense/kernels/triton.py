@@ -1,0 +1,51 @@
+"""The Triton backend of the StatNorm engine: ``aten.AtenBackend``'s interface on the kernels of ``passes.py``
+(CUDA; CPU tensors under Triton's interpreter). Launches per training step of a layer: moments, stats, the
+layer's coefficient kernel, apply (forward); sums [, merge], the layer's VJP kernel, dx (backward): at most 8.
+
+The module's state changes (estimates, running statistics, num_batches_tracked) happen in the forward's last
+kernel (apply), so a kernel failing to compile under backend 'auto' leaves the module as it was. Imports no
+layer."""
+import torch
+
+from . import passes as P
+from .activations import act_args
+from .aten import STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, STATS_NONE  # noqa: F401  (the same modes)
+
+
+def _act(act):
+    return None if act is None else act_args(act.name, act.kwargs)
+
+
+class TritonBackend:
+    name = 'triton'  # x3 and dy come contiguous (the engine makes them so for this backend)
+
+    @staticmethod
+    def prepare(coeffs, v):
+        return [c.contiguous() for c in coeffs]  # the kernels mask A where v = 0 themselves
+
+    @staticmethod
+    def moments(x3):
+        return P.moment_partials(x3)
+
+    @staticmethod
+    def stats(part, shape, mode=STATS_NONE, stat_mean=None, stat_var=None, base=None, rate=0.0, momentum=0.1,
+              write=False, nbt=None):
+        """(m, v, mean, var, moved, upd): the chunks' moments merged and the first stage in one launch
+        (``passes._stats_kernel``: eval, Algorithm 1's update, batch statistics and their tracking)."""
+        partials, split, chunk = part
+        return P.stats(partials, split, chunk, shape, mode, stat_mean, stat_var, base, rate=rate,
+                       momentum=momentum, write=write, nbt=nbt)
+
+    @staticmethod
+    def apply(x3, m, v, coeffs, act=None, out_dtype=None, write=None, nbt=None, buf=None):
+        return P.apply(x3, m, v, coeffs, _act(act), out_dtype, write, nbt)
+
+    @staticmethod
+    def sums(x3, dy, m, v, coeffs, act=None):
+        return P.sums(x3, dy, m, v, coeffs, _act(act)), None
+
+    @staticmethod
+    def dx(x3, dy, m, v, coeffs, dm, dv, gsum, act=None, batch=None, state=None):
+        return P.dx(x3, dy, m, v, coeffs, dm.contiguous(), dv.contiguous(), gsum, _act(act),
+                    batch)
+
