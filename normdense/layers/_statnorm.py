@@ -130,8 +130,9 @@ class StatNorm2d(nn.Module):
             x3 = x.reshape(shape[0], shape[1], -1)
             if x3.dtype != cd and x3.dtype not in _HALF:
                 x3 = x3.to(cd)  # e.g. float32 x with float64 parameters
-            if be is not AtenBackend:
-                x3 = x3.contiguous()
+            # channels_last and permuted views (a transformer's tokens handed to a CNN head): both backends
+            # read (n, c, HW) rows; a no-op for a contiguous x
+            x3 = x3.contiguous()
             part = be.moments(x3)
             m, v, stats, write, nbt, record = self._first_stage(be, part, x3.shape)
             params = tuple(self._statnorm_params())
@@ -252,8 +253,7 @@ def _backward_or_fallback(ctx, dy):
         dy = dy.reshape(x3.shape)  # dy may be expanded (the grad of a sum)
         dy = dy if dy.dtype == x3.dtype else dy.to(x3.dtype)
         call = ctx.call
-        if call.backend is not AtenBackend:
-            dy = dy.contiguous()  # once, for both backward passes
+        dy = dy.contiguous()  # once, for both backward passes (a channels_last network's dy is strided)
         errors = _backend.compile_errors() if call.backend is not AtenBackend else ()
         try:
             return _backward(ctx, x3, dy)
