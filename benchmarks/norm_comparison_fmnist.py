@@ -67,7 +67,8 @@ def parse_args(argv=None):
     p.add_argument('--plot', default=osp.join(ROOT, 'docs', 'figures', 'norm_comparison_fmnist.png'))
     p.add_argument('--tiny', action='store_true',
                    help='64 training and 32 test images (generated idx files when --data-root has none): the test')
-    p.add_argument('--replot', action='store_true', help='only redraw --plot from the JSON at --out')
+    p.add_argument('--replot', action='store_true',
+                   help='only redraw --plot from the JSON at --out and print its markdown table')
     return p.parse_args(argv)
 
 
@@ -196,6 +197,19 @@ def plot(summary, path, conditions):
     plt.close(fig)
 
 
+def markdown_table(summary):
+    """Norms as rows, batch sizes as columns: 'mean (min-max)' of top-1 %."""
+    batches = sorted({s['batch'] for s in summary})
+    cell = {(s['norm'], s['batch']): s for s in summary}
+    lines = ['| norm | ' + ' | '.join(f'batch {b}' for b in batches) + ' |', '|---|' + '---|' * len(batches)]
+    for norm in NORMS:
+        if any((norm, b) in cell for b in batches):
+            lines.append(f'| {LABELS[norm]} | ' + ' | '.join(
+                f"{cell[norm, b]['mean']:.2f} ({cell[norm, b]['min']:.2f}-{cell[norm, b]['max']:.2f})"
+                if (norm, b) in cell else '-' for b in batches) + ' |')
+    return '\n'.join(lines)
+
+
 def _eta(runs, jobs_left):
     """Seconds left: each remaining run at the mean time of the finished runs of its batch size."""
     per_batch = {}
@@ -211,6 +225,7 @@ def main(argv=None):
         with open(args.out) as f:
             result = json.load(f)
         plot(result['summary'], args.plot, result['conditions'] + ('' if result['complete'] else ' (incomplete)'))
+        print(markdown_table(result['summary']))
         return result
     norms = args.norms.split(',')
     for norm in norms:
@@ -265,6 +280,7 @@ def main(argv=None):
         with open(args.out, 'w') as f:  # after every run: a cut-short benchmark keeps what it measured
             json.dump(result, f, indent=1)
     plot(summary, args.plot, conditions)
+    print(markdown_table(summary))
     for s in summary:
         print(f"[fmnist] batch {s['batch']} {s['label']}: mean {s['mean']:.2f} (min {s['min']:.2f}, "
               f"max {s['max']:.2f}, {s['seeds']} seeds)")
