@@ -126,7 +126,7 @@ def run_config(norm, batch, seed, data, work_dir, train_images=None, test_images
     from mmengine.config import Config
     cfg = Config.fromfile(config_path(norm, batch))
     for loader in (cfg.train_dataloader, cfg.val_dataloader):
-        loader.dataset.data_root = loader.dataset.data_prefix = data
+        loader.dataset.data_prefix = data
     if train_images is not None:
         cfg.train_dataloader.dataset.indices = train_images
     if test_images is not None:

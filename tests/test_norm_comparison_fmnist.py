@@ -90,3 +90,23 @@ def test_tiny_end_to_end(tmp_path):
     assert '[fmnist 4/4] BCN+WS batch 2 seed 0: top-1' in run.stdout and 'ETA' in run.stdout
     # the extracted files are what mmpretrain read
     assert (tmp_path / 'work' / 'idx' / 'train-labels-idx1-ubyte').is_file()
+
+
+def test_a_config_reads_its_relative_data_root_as_tools_train_does(tmp_path, monkeypatch):
+    """The configs' data_root (data/fashion_mnist, relative to the working directory) is where mmpretrain's
+    FashionMNIST reads, and the data check of tools/train.py agrees (no data_root + data_prefix doubling)."""
+    from mmengine.config import Config
+    from mmpretrain.registry import DATASETS
+
+    from normdense.config_check import check_data_paths
+    write_idx_gz(tmp_path / 'deb', 12, 6)
+    monkeypatch.chdir(tmp_path)
+    cfg = Config.fromfile(nc.config_path('bcn-ws', 2))
+    nc.prepare_data(str(tmp_path / 'deb'), str(tmp_path / cfg.data_root))
+    check_data_paths(cfg, 'train')
+    ds_cfg = dict(cfg.train_dataloader.dataset, indices=12)
+    ds_cfg.pop('pipeline')
+    dataset = DATASETS.build(ds_cfg)
+    assert len(dataset) == 12 and dataset.get_data_info(0)['img'].shape == (28, 28)
+    labels = np.frombuffer(gzip.open(tmp_path / 'deb' / 'train-labels-idx1-ubyte.gz').read()[8:], np.uint8)
+    assert [int(dataset.get_data_info(i)['gt_label']) for i in range(12)] == labels.tolist()

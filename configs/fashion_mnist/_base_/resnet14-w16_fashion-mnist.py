@@ -30,12 +30,12 @@ test_pipeline = [dict(type='PackInputs')]
 train_dataloader = dict(
     batch_size=32, num_workers=0, persistent_workers=False,
     sampler=dict(type='InfiniteSampler', shuffle=True),
-    dataset=dict(type='FashionMNIST', data_root=data_root, data_prefix=data_root, test_mode=False,
+    dataset=dict(type='FashionMNIST', data_prefix=data_root, test_mode=False,
                  download=False, pipeline=train_pipeline))
 val_dataloader = dict(
     batch_size=500, num_workers=0, persistent_workers=False,
     sampler=dict(type='DefaultSampler', shuffle=False),
-    dataset=dict(type='FashionMNIST', data_root=data_root, data_prefix=data_root, test_mode=True,
+    dataset=dict(type='FashionMNIST', data_prefix=data_root, test_mode=True,
                  download=False, indices=test_images, pipeline=test_pipeline))
 val_evaluator = dict(type='Accuracy', topk=(1, ))
 test_dataloader = val_dataloader
