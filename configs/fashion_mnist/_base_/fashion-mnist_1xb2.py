@@ -1,7 +1,7 @@
-# 2 image(s) per batch, one pass over the first 6400 training images (6400 / 2 iterations; classes 9.3-10.9 % each), lr scaled
-# with the batch as the WS/BCN paper adapts it for micro-batch training (the linear scaling rule: lr = 0.1 x 2 / 32),
-# 10 % linear warm-up from lr / 10, cosine decay to 0. Estimate-mode BCN and Unitization update their estimates
-# at r = lr (EstimateRateHook, added by the norm switch).
+# 2 image(s) per batch, one pass over the first 6400 training images (6400 / 2 iterations; classes 9.3-10.9 %
+# each), lr scaled with the batch as the WS/BCN paper adapts it for micro-batch training (the linear scaling
+# rule: lr = 0.1 x 2 / 32), 10 % linear warm-up from lr / 10, cosine decay to 0. Estimate-mode BCN and
+# Unitization update their estimates at r = lr (EstimateRateHook, added by the norm switch).
 _base_ = ['./resnet14-w16_fashion-mnist.py']
 batch = 2
 train_images = 6400
