@@ -1,0 +1,5 @@
+# ResNet-14 (width 16) on Fashion-MNIST at 1 image per batch: GroupNorm, 8 groups, with Weight Standardization
+# (WSConv2d, the paper's formula), in every norm slot through the norm switch (docs/any_model.md). Results:
+# ./README.md
+_base_ = ['./_base_/fashion-mnist_1xb1.py']
+normdense_norm = dict(norm='gn-ws', num_groups=8)

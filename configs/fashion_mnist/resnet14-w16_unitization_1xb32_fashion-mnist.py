@@ -1,0 +1,4 @@
+# ResNet-14 (width 16) on Fashion-MNIST at 32 images per batch: Unitization in estimate mode (r = lr), plain
+# convs, in every norm slot through the norm switch (docs/any_model.md). Results: ./README.md
+_base_ = ['./_base_/fashion-mnist_1xb32.py']
+normdense_norm = dict(norm='unitization', num_groups=8)
