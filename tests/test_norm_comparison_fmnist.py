@@ -106,7 +106,9 @@ def test_a_config_reads_its_relative_data_root_as_tools_train_does(tmp_path, mon
     check_data_paths(cfg, 'train')
     ds_cfg = dict(cfg.train_dataloader.dataset, indices=12)
     ds_cfg.pop('pipeline')
-    dataset = DATASETS.build(ds_cfg)
+    from mmengine.registry import DefaultScope
+    with DefaultScope.overwrite_default_scope('mmpretrain'):  # an earlier test may have left mmseg's scope
+        dataset = DATASETS.build(ds_cfg)
     assert len(dataset) == 12 and dataset.get_data_info(0)['img'].shape == (28, 28)
     labels = np.frombuffer(gzip.open(tmp_path / 'deb' / 'train-labels-idx1-ubyte.gz').read()[8:], np.uint8)
     assert [int(dataset.get_data_info(i)['gt_label']) for i in range(12)] == labels.tolist()
