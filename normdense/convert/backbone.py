@@ -55,7 +55,8 @@ def check_against_target(sd, spec: BackboneSpec, target: str, model=None):
     """(missing, unexpected, mismatched) of ``sd`` against the target backbone's own state dict (``model``:
     the target backbone, when already built)."""
     ref = (model if model is not None else build_target_backbone(spec, target)).state_dict()
-    missing = [k for k in ref if k not in sd]
+    # a missing step counter loads as 0 (torch's BatchNorm and StatNorm2d fill it; checkpoint.load_mismatch)
+    missing = [k for k in ref if k not in sd and not k.endswith('num_batches_tracked')]
     unexpected = [k for k in sd if k not in ref]
     mismatched = [(k, tuple(sd[k].shape), tuple(ref[k].shape)) for k in sd
                   if k in ref and tuple(sd[k].shape) != tuple(ref[k].shape)]

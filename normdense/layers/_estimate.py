@@ -126,11 +126,10 @@ class EstimateRateMixin:
 
     The layer calls :meth:`_init_estimate_rate` in its constructor. r is ``update_rate`` when fixed, else
     the ``current_rate`` that :class:`~normdense.hooks.estimate_rate.EstimateRateHook` or
-    :func:`set_update_rate` sets before each iteration; both are range-checked where they are set. In
-    estimate mode the estimates stay float32 when the module is cast to fp16/bf16 (``model.half()``): an
-    update of ``r * delta`` with r ~ lr is below bf16's resolution and would be lost to rounding.
+    :func:`set_update_rate` sets before each iteration; both are range-checked where they are set. Used with
+    ``StatNorm2d``, which owns the dtype policy (estimates float32 under ``model.half()``, half inputs in
+    float32).
     """
-    _ESTIMATE_BUFFERS = ('running_mean', 'running_var')
 
     def _init_estimate_rate(self, mode: str, update_rate: Optional[float]) -> None:
         name = type(self).__name__
@@ -161,7 +160,7 @@ class EstimateRateMixin:
         """This training call's estimates (mean, var) from its input x (N, C, ...), for the reference
         compositions: the per-(n, c) moments of x, then :meth:`estimates_from_moments`."""
         with torch.no_grad():
-            xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+            xf = self.compute_input(x)
             x3 = xf.reshape(xf.shape[0], xf.shape[1], math.prod(xf.shape[2:]))
             if x3.numel():
                 v, m = torch.var_mean(x3, dim=2, correction=0)
@@ -248,15 +247,7 @@ class EstimateRateMixin:
 
     def _apply(self, fn, *args, **kwargs):
         self.__dict__.pop('_iteration', None)  # its tensors stay where they were: start anew from the buffers
-        if getattr(self, 'mode', None) != 'estimate':
-            return super()._apply(fn, *args, **kwargs)
-        before = {n: self._buffers[n] for n in self._ESTIMATE_BUFFERS if self._buffers.get(n) is not None}
-        out = super()._apply(fn, *args, **kwargs)
-        for n, old in before.items():
-            new = self._buffers[n]
-            if new.dtype in (torch.float16, torch.bfloat16):  # from the fp32 values: no rounding on the way
-                self._buffers[n] = old.detach().to(device=new.device, dtype=torch.float32)
-        return out
+        return super()._apply(fn, *args, **kwargs)
 
 
 def set_update_rate(module: nn.Module, rate: float) -> int:

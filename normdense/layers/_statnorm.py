@@ -52,20 +52,68 @@ class StatNorm2d(nn.Module):
 
     ``mean, var`` are (C,) or None without a first stage; ``count`` the values per channel behind batch
     statistics (an int, a tensor when all-reduced, None otherwise); dmean, dvar only when ``wants_stats``.
+
+    Buffers (layers with a first stage; GN+PN has none, so no statistics and no counter): ``running_mean``,
+    ``running_var`` (the running statistics, or the estimates in estimate mode) and ``num_batches_tracked``
+    (training iterations in estimate mode, training calls in batch mode); a checkpoint without the counter
+    (BCN before issue 37) loads with 0, as torch's BatchNorm loads its old versions.
+
+    Dtype policy, here only (the engine, the reference compositions and the estimates' owner call these):
+
+    * statistics never run in fp16/bf16 (sums over positions overflow or round away): the compute dtype is
+      float64 where the input or a parameter is float64, else float32 (:meth:`stat_dtype`); the reference
+      compositions take half inputs in float32 (:meth:`compute_input`);
+    * the output keeps the input's dtype, or under autocast the dtype the reference composition of
+      F.batch_norm / F.group_norm would give (:meth:`_output_dtype`, :meth:`_autocast_dtype`);
+    * estimate-mode estimates stay float32 when the module is cast to fp16/bf16 (``model.half()``): an update
+      of ``r * delta`` with r ~ lr is below bf16's resolution and would be lost to rounding (:meth:`_apply`).
     """
     _FIRST_STAGE = True  # per-channel statistics before the map (GN+PN: none)
     _SYNC_BATCH = False  # batch-mode statistics all-reduced with sync_stats (BCN)
+    _ESTIMATE_BUFFERS = ('running_mean', 'running_var')  # float32 under .half() in estimate mode
+    _version = 2  # 2: num_batches_tracked for every layer with a first stage (BCN's checkpoints of 1 lack it)
 
     def _init_statnorm(self, num_features: int, mode: Optional[str], sync_stats: bool, fused: bool,
-                       backend: Optional[str], momentum=None, num_batches_tracked: bool = False) -> None:
+                       backend: Optional[str], momentum=None) -> None:
         self.mode, self.sync_stats, self.momentum = mode, bool(sync_stats), momentum
         self.fused = bool(fused)
         self.backend = check_backend(backend, f'{type(self).__name__} backend')
         if self._FIRST_STAGE:  # 'batch': eval statistics; 'estimate': the estimates mu_hat, sigma_hat^2
             self.register_buffer('running_mean', torch.zeros(num_features))
             self.register_buffer('running_var', torch.ones(num_features))
-            if num_batches_tracked:
-                self.register_buffer('num_batches_tracked', torch.tensor(0, dtype=torch.long))
+            self.register_buffer('num_batches_tracked', torch.tensor(0, dtype=torch.long))
+
+    def _reset_statnorm_buffers(self) -> None:
+        self.running_mean.zero_()
+        self.running_var.fill_(1.0)
+        self.num_batches_tracked.zero_()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
+        key = prefix + 'num_batches_tracked'
+        if self._FIRST_STAGE and local_metadata.get('version', 1) < 2 and key not in state_dict:
+            state_dict[key] = torch.tensor(0, dtype=torch.long)  # as torch's _NormBase for its version 1
+        return super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
+
+    def _apply(self, fn, *args, **kwargs):
+        if getattr(self, 'mode', None) != 'estimate':
+            return super()._apply(fn, *args, **kwargs)
+        before = {n: self._buffers[n] for n in self._ESTIMATE_BUFFERS if self._buffers.get(n) is not None}
+        out = super()._apply(fn, *args, **kwargs)
+        for n, old in before.items():
+            new = self._buffers[n]
+            if new.dtype in _HALF:  # from the fp32 values: no rounding on the way
+                self._buffers[n] = old.detach().to(device=new.device, dtype=torch.float32)
+        return out
+
+    @staticmethod
+    def stat_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
+        """The compute dtype of statistics over ``tensors``: float64 if any is float64, else float32."""
+        return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+    @staticmethod
+    def compute_input(x: torch.Tensor) -> torch.Tensor:
+        """x as the reference compositions compute on it: half inputs in float32, others as they are."""
+        return x.float() if x.dtype in _HALF else x
 
     def _statnorm_act(self):
         return None
@@ -90,11 +138,8 @@ class StatNorm2d(nn.Module):
         return _AUTOCAST_DTYPES[key]
 
     def _statnorm_dtypes(self, x: torch.Tensor) -> Tuple[torch.dtype, torch.dtype]:
-        """(compute dtype, output dtype): the moments, statistics and coefficients in float64 where x or a
-        parameter is float64, else float32 (sums over positions overflow or round away in fp16/bf16)."""
-        wide = x.dtype == torch.float64 or any(p is not None and p.dtype == torch.float64
-                                               for p in self._statnorm_params())
-        return (torch.float64 if wide else torch.float32), self._output_dtype(x)
+        """(compute dtype, output dtype) of the engine: the class docstring's policy over x and the parameters."""
+        return self.stat_dtype(x, *self._statnorm_params()), self._output_dtype(x)
 
     def _statnorm_repr(self) -> str:
         return ('' if self.fused else ', fused=False') + (f', backend={self.backend!r}' if self.backend else '')

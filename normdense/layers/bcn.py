@@ -69,11 +69,15 @@ BCN_MODES = ('batch', 'estimate')
 def _synced_batch_moments(x: torch.Tensor):
     """Differentiable per-channel mean and biased variance over every process's batch (batch mode).
 
+    Kept beside the engine's ``_statnorm.synced_batch_moments`` (not built on it): autograd through these
+    all-reduces is the independent check of the engine's hand-written ``synced_batch_moments_vjp``, and it is
+    what a process with an empty input (which takes this path) runs to pair with the other processes' VJP.
+
     In float32 for half inputs (a count of 121600 values is inf in fp16, and half sums lose the mean), and
     in two passes: the squares are summed around the global mean, so there is no E[x^2] - E[x]^2
     cancellation (NaN statistics in fp16, a wrong mean in bf16), at the price of a second all-reduce."""
     from torch.distributed.nn.functional import all_reduce
-    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    xf = StatNorm2d.compute_input(x)
     with torch.autocast(x.device.type, enabled=False):
         dims = [0, 2, 3]
         count = xf.new_full((1, ), xf.numel() // xf.shape[1])  # not new_tensor: no host-to-device copy
@@ -216,6 +220,8 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
             again = self.training and in_backward()
             mean, var = (self.running_mean.clone(), self.running_var.clone()) if again else (self.running_mean,
                                                                                               self.running_var)
+            if self.training and not again:  # F.batch_norm tracks the statistics; the count is ours (nn.BatchNorm's)
+                self.num_batches_tracked.add_(1)
             return F.batch_norm(x, mean, var, self.batch_weight, self.batch_bias, self.training, self.momentum,
                                 self.eps)
         return self._affine(x, mean, var, self.batch_weight, self.batch_bias)
@@ -278,8 +284,7 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
         if hasattr(self, 'batch_weight'):
             for p, v in ((self.weight, 1.0), (self.bias, 0.0), (self.batch_weight, 1.0), (self.batch_bias, 0.0)):
                 nn.init.constant_(p, v)
-            self.running_mean.zero_()
-            self.running_var.fill_(1.0)
+            self._reset_statnorm_buffers()
 
     def extra_repr(self):
         rate = self.update_rate if self.update_rate is not None else 'lr (EstimateRateHook)'

@@ -64,11 +64,6 @@ def _cached_quantiles(num_samples: int, dtype: torch.dtype, device: torch.device
         return proxy_quantiles(num_samples, dtype, device)
 
 
-def _stat_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """float64 if anything is float64, else float32: proxy statistics never run in fp16/bf16."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
 class PNConfig(NamedTuple):
     num_groups: int
     eps: float
@@ -287,7 +282,7 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
         check_group_values(x, self.num_channels, self.num_groups, 'GNPN')
         if self.fused and x.numel() > 0:
             return self._statnorm_forward(x)
-        return self._eq7(x, _stat_dtype(x, self.weight), self.weight, self.bias, self.proxy_beta, self.proxy_gamma)
+        return self._eq7(x, self.stat_dtype(x, self.weight), self.weight, self.bias, self.proxy_beta, self.proxy_gamma)
 
     _FIRST_STAGE = False
 

@@ -67,12 +67,6 @@ NORM_DIVISORS = ('hw', 'hw_squared')
 VAR_CORRECTIONS = ('none', 'keras')
 
 
-def _compute_input(x: torch.Tensor) -> torch.Tensor:
-    """x in the dtype the layer computes in: half inputs in float32 (squared sums over C*H*W overflow
-    fp16)."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-
-
 class UnitizationConfig(NamedTuple):
     eps: float
     affine: bool
@@ -193,16 +187,14 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
         self.n = None if n is None else float(n)
         self.alpha = nn.Parameter(torch.zeros(num_features))
         affine_parameters(self, num_features, affine)
-        self._init_statnorm(num_features, mode, sync_stats, fused, backend, momentum, num_batches_tracked=True)
+        self._init_statnorm(num_features, mode, sync_stats, fused, backend, momentum)
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.alpha)
         if self.affine:
             nn.init.ones_(self.weight)
             nn.init.zeros_(self.bias)
-        self.running_mean.zero_()
-        self.running_var.fill_(1.0)
-        self.num_batches_tracked.zero_()
+        self._reset_statnorm_buffers()
 
     def _stage1_stats(self, x: torch.Tensor):
         """Mean and variance that standardize x (Algorithm 2 line 5), updating buffers in training."""
@@ -236,11 +228,11 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
             # the running buffers); keep the parameters in the graph for DDP. Estimate mode still joins
             # the other ranks' all-reduce of the update (with a count of 0), so the collectives line up.
             if self.mode == 'estimate' and self.training:
-                self._stage1_stats(_compute_input(x))
+                self._stage1_stats(self.compute_input(x))
             return x * 0 + sum(p.sum() for p in self.parameters()) * 0
         if self.fused and (self.mode == 'estimate' or not self.training or x.numel() // x.shape[1] > 1):
             return self._statnorm_forward(x)
-        xf = _compute_input(x)
+        xf = self.compute_input(x)
         mean, var = self._stage1_stats(xf)
         return self._unitize(xf, mean, var, self.alpha, self.weight, self.bias).to(x.dtype)
 

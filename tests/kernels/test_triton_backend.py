@@ -10,6 +10,7 @@ import torch
 
 from normdense.kernels import backend as B
 from normdense.kernels import passes as P
+from normdense.layers import BatchChannelNorm2d, Unitization2d
 from tests.kernels.launches import count_launches
 from tests.layers.test_fused import CASES, C, assert_same, make, run
 
@@ -192,3 +193,26 @@ def test_sync_stats_two_processes(tmp_path, monkeypatch):
         if key.endswith('/triton'):
             for n in ('running_mean', 'running_var'):
                 torch.testing.assert_close(ranks[0][key][n], ranks[1][key][n], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize('path', ['aten', 'triton', 'reference'])
+@pytest.mark.parametrize('mode', ['estimate', 'batch'])
+def test_bcn_counts_num_batches_tracked_as_unitization(device, mode, path):
+    """num_batches_tracked on every StatNorm layer with statistics (issue 37), counted alike by BCN and
+    Unitization on both backends and the reference path: estimate mode once per iteration (a layer shared by
+    several calls of one iteration counts 1), batch mode once per training call; eval counts nothing."""
+    kw = dict(update_rate=0.1) if mode == 'estimate' else {}
+    layers = [BatchChannelNorm2d(8, num_groups=4, mode=mode, **kw), Unitization2d(8, mode=mode, **kw)]
+    torch.manual_seed(0)
+    for layer in layers:
+        layer.to(device)
+        if path == 'reference':
+            layer.fused = False
+        else:
+            layer.backend = path
+        for calls in (2, 1, 3):
+            sum(layer(torch.randn(2, 8, 3, 3, device=device)).sum() for _ in range(calls)).backward()
+        with torch.no_grad():
+            layer.eval()(torch.randn(2, 8, 3, 3, device=device))
+    expected = 3 if mode == 'estimate' else 6
+    assert [int(layer.num_batches_tracked) for layer in layers] == [expected, expected]

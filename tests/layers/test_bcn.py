@@ -185,7 +185,9 @@ def test_state_dict_round_trip():
     bcn.train()(torch.randn(2, 8, 3, 3) * 5)
     other = BatchChannelNorm2d(8, num_groups=4, update_rate=0.2)
     other.load_state_dict(bcn.state_dict())
-    assert set(bcn.state_dict()) == {'weight', 'bias', 'batch_weight', 'batch_bias', 'running_mean', 'running_var'}
+    assert set(bcn.state_dict()) == {'weight', 'bias', 'batch_weight', 'batch_bias', 'running_mean', 'running_var',
+                                     'num_batches_tracked'}
+    assert int(other.num_batches_tracked) == 1
     x = torch.randn(1, 8, 3, 3)
     torch.testing.assert_close(other.eval()(x), bcn.eval()(x))
 

@@ -82,8 +82,8 @@ def test_activation_backward_equals_autograd(name):
 
 # Non-view ATen operators per training forward + backward (float32, after a warm-up call). The issue's
 # target is 20 (nn.GroupNorm: 4); these are the counts reached, so that launch-count regressions fail here.
-OP_BUDGET = {
-    'bcn-estimate': 60, 'bcn-estimate-channel-affine': 60, 'bcn-batch': 71, 'bcn-batch-channel-affine': 71,
+OP_BUDGET = {  # BCN estimate: 60 before num_batches_tracked, whose count is one add_ per iteration (issue 37)
+    'bcn-estimate': 61, 'bcn-estimate-channel-affine': 61, 'bcn-batch': 71, 'bcn-batch-channel-affine': 71,
     'gnpn-relu': 78, 'gnpn-relu-no-scaling': 68, 'gnpn-gelu': 80, 'gnpn-leaky-no-scaling': 68,
     'lnpn-silu-no-proxy-affine': 72, 'unitization-batch': 70, 'unitization-batch-cumulative': 67,
     'unitization-estimate': 54, 'unitization-keras': 70, 'unitization-fixed-n': 70,

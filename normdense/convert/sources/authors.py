@@ -78,7 +78,7 @@ def convert_authors(sd, meta=None, norm=None, ws_formula=None, num_groups=None):
                     out[f'{new}.{dst}'] = params.pop(f'{inner}.{src}')
             if f'{inner}.num_batches_tracked' in params:
                 params.pop(f'{inner}.num_batches_tracked')
-                dropped.append((f'{path}.{inner}.num_batches_tracked', 'BatchNorm step counter (BCN keeps none)'))
+                dropped.append((f'{path}.{inner}.num_batches_tracked', 'BatchNorm step counter (BCN counts anew)'))
         for rest, t in params.items():  # GN/BN tensors keep their names; leftovers surface as unexpected
             out[f'{new}.{rest}'] = t
     if kind == 'BCN':

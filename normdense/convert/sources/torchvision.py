@@ -114,7 +114,7 @@ def convert_torchvision(sd, meta=None, norm=None, ws_formula=None, num_groups=No
         for rest in ('weight', 'bias'):
             created.append((f'{new}.{rest}', 'BCN channel-stage affine starts as identity (1, 0)'))
         if 'num_batches_tracked' in params:
-            dropped.append((f'{path}.num_batches_tracked', 'BatchNorm step counter (BCN keeps none)'))
+            dropped.append((f'{path}.num_batches_tracked', 'BatchNorm step counter (BCN counts anew)'))
     depth, deep_stem, avg_down = infer_layout(out)
     norm_cfg = (dict(type='BCN', num_groups=num_groups, mode=bcn_mode) if norm == 'bcn'
                 else dict(type='BN', requires_grad=True))
