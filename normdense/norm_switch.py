@@ -36,6 +36,7 @@ import copy
 import fnmatch
 import inspect
 import logging
+import re
 from typing import List, Optional
 
 from .layers.groups import AUTO, POLICY, _is_int
@@ -77,8 +78,8 @@ def parse_spec(spec) -> dict:
     spec = dict(spec)
     unknown = set(spec) - {'norm', 'num_groups', 'channels_per_group', 'exclude', 'convert'}
     if unknown or 'norm' not in spec:
-        raise ValueError(f"normdense_norm: expected a name or dict(norm=..., num_groups='auto', channels_per_group=None, "
-                         f'exclude=[...], convert=False), got keys {sorted(spec)}')
+        raise ValueError("normdense_norm: expected a name or dict(norm=..., num_groups='auto', "
+                         f'channels_per_group=None, exclude=[...], convert=False), got keys {sorted(spec)}')
     spec.setdefault('num_groups', AUTO)
     spec.setdefault('channels_per_group', None)
     groups, per_group = spec['num_groups'], spec['channels_per_group']
@@ -142,11 +143,19 @@ def _registry(scope: str):
     return MODELS
 
 
+_SUPER_SKIP = re.compile(r'super\(\s*(\w+)\s*,\s*self\s*\)\.__init__')
+
+
 def _accepts(cls, arg: str) -> bool:
-    """Whether ``cls(...)`` takes ``arg``: in its ``__init__``, or in a base's that ``**kwargs`` reaches."""
-    for klass in cls.__mro__:
-        init = klass.__dict__.get('__init__')
+    """Whether ``cls(...)`` takes ``arg``: in its ``__init__``, or in a base's that ``**kwargs`` reaches. An
+    ``__init__`` calling ``super(Base, self).__init__(**kwargs)`` skips ``Base``'s own (mmseg's
+    IterativeDecodeHead skips BaseDecodeHead's ``norm_cfg``): the walk goes on after ``Base`` then."""
+    mro = cls.__mro__
+    i = 0
+    while i < len(mro):
+        init = mro[i].__dict__.get('__init__')
         if init is None:
+            i += 1
             continue
         try:
             params = inspect.signature(init).parameters
@@ -156,6 +165,14 @@ def _accepts(cls, arg: str) -> bool:
             return True
         if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
             return False
+        i += 1
+        try:
+            skipped = _SUPER_SKIP.search(inspect.getsource(init))
+        except (OSError, TypeError):
+            skipped = None
+        names = [k.__name__ for k in mro]
+        if skipped and skipped.group(1) in names[i:]:
+            i = names.index(skipped.group(1), i) + 1
     return False
 
 

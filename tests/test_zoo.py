@@ -57,10 +57,12 @@ def test_representative_configs_one_per_folder():
 @pytest.mark.slow  # ~1 min: a rotating sample of the zoo; the whole table is benchmarks/zoo_sweep.py
 def test_zoo_sample_every_norm_ok_or_one_line():
     configs = representative_configs('mmdet', ['atss', 'fcos', 'yolox']) + \
-        representative_configs('mmseg', ['pspnet', 'erfnet', 'segformer'])
-    assert len(configs) == 6
+        representative_configs('mmseg', ['encnet', 'erfnet', 'knet', 'pspnet', 'segformer'])
+    assert len(configs) == 8
+    # SegFormer: LayerNorm blocks left, its decode head gets permuted (non-contiguous) token features;
+    # EncNet: a norm over (N, codes, C); KNet: a head whose __init__ skips its base's norm_cfg
+    forced = dict(segformer='bcn-ws', encnet='bcn-ws', knet='gn')
     for i, (folder, path) in enumerate(configs):
-        # SegFormer: LayerNorm blocks left; its decode head gets permuted (non-contiguous) token features
-        norm = CHOICES[1 + i % (len(CHOICES) - 1)] if folder != 'segformer' else 'bcn-ws'
+        norm = forced.get(folder, CHOICES[1 + i % (len(CHOICES) - 1)])
         result = try_norm(path, norm)
         assert result.ok, f'{folder} {norm}: {result.line()}'

@@ -248,8 +248,10 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
         return F.group_norm(x, self.num_groups, weight, bias, self.eps)
 
     def forward(self, x):
+        if x.dim() == 3:  # (N, C, L), as nn.GroupNorm and BN1d take it (EncNet's codeword norm): an L x 1 map
+            return self.forward(x.unsqueeze(-1)).squeeze(-1)
         if x.dim() != 4:
-            raise ValueError(f'BatchChannelNorm2d expects (N, C, H, W) input, got shape {tuple(x.shape)}')
+            raise ValueError(f'BatchChannelNorm2d expects (N, C, H, W) or (N, C, L) input, got shape {tuple(x.shape)}')
         check_group_values(x, self.num_channels, self.num_groups, 'BatchChannelNorm2d')
         if self.fused and self._fusable(x):
             y = self._statnorm_forward(x)

@@ -95,3 +95,20 @@ def test_gnpn_auto_fits_the_channels():
     assert GroupProxyNorm(32).num_groups == 32  # the default stays exact 32
     with pytest.raises(ValueError, match="GNPN: num_groups=32 does not divide this layer's 18 channels"):
         GroupProxyNorm(18, num_groups=32)
+
+
+@pytest.mark.parametrize('mode', ['batch', 'estimate'])
+def test_bcn_takes_n_c_l_inputs_as_l_by_1_maps(mode):
+    """(N, C, L) as nn.GroupNorm and BN1d take it (EncNet builds its codeword norm from the slot's norm_cfg)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 8, 5, dtype=torch.float64)
+    outs = []
+    for shape in (x.shape, (3, 8, 5, 1)):
+        layer = BatchChannelNorm2d(8, num_groups=4, mode=mode).double().train()
+        set_update_rate(layer, 0.1)
+        xi = x.reshape(shape).clone().requires_grad_()
+        y = layer(xi)
+        y.backward(torch.ones_like(y))
+        outs.append((y.reshape(x.shape), xi.grad.reshape(x.shape), layer.running_mean.clone()))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
