@@ -89,6 +89,12 @@ def write_generated_idx(folder, num_train=64, num_test=32, seed=0):
     return folder
 
 
+def _shown(path):
+    """A path as results record it: relative to the checkout when inside it (work dirs), else as given."""
+    rel = osp.relpath(osp.abspath(path), ROOT)
+    return path if rel.startswith('..') else rel
+
+
 def prepare_data(data_root, extract_dir):
     """The folder holding the four extracted idx files mmpretrain reads: ``data_root`` itself, or
     ``extract_dir`` with the ``.gz`` files of ``data_root`` extracted into it. SystemExit (one line) when absent."""
@@ -254,7 +260,8 @@ def main(argv=None):
     result = dict(
         conditions=conditions, paper_order=PAPER_ORDER, tiny=args.tiny, complete=False,
         started_utc=time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(started)), finished_utc=None,
-        data=dict(root=args.data_root, read_from=data, train_images=train_images, test_images=test_images),
+        data=dict(root=_shown(args.data_root), read_from=_shown(data), train_images=train_images,
+                  test_images=test_images),
         machine=dict(platform=platform.platform(), python=platform.python_version(), torch=torch.__version__,
                      threads=torch.get_num_threads(), omp_num_threads=os.environ.get('OMP_NUM_THREADS')),
         configs={f'{n}_b{b}': osp.relpath(config_path(n, b), ROOT) for n in norms for b in batches},
@@ -262,7 +269,7 @@ def main(argv=None):
     runs = result['runs']
     os.makedirs(osp.dirname(osp.abspath(args.out)), exist_ok=True)
     print(f'[fmnist] {len(jobs)} runs: {len(norms)} norms x batches {args.batches} x seeds {args.seeds}; '
-          f'data {data}', flush=True)
+          f'data {_shown(data)}', flush=True)
     for k, (norm, batch, seed) in enumerate(jobs):
         cfg = run_config(norm, batch, seed, data, osp.join(args.work_dir, f'{norm}_b{batch}_s{seed}'),
                          args.train_images, args.test_images)

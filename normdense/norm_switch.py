@@ -37,9 +37,10 @@ import fnmatch
 import inspect
 import logging
 import re
+from collections import Counter
 from typing import List, Optional
 
-from .layers.groups import AUTO, POLICY, _is_int
+from .layers.groups import AUTO, AUTO_RULE, _is_int
 
 CHOICES = ('bn', 'gn', 'gn-ws', 'bcn-ws', 'gn-pn', 'iternorm', 'unitization')
 _WS = dict(type='WSConv2d')
@@ -53,7 +54,7 @@ _COMPONENT_SUFFIXES = ('backbone', 'neck', 'head')
 def norm_layers(name: str, num_groups='auto', channels_per_group=None):
     """(norm_cfg, conv_cfg, hooks) of a switch name. The group norms take the group policy of
     ``normdense/layers/groups.py``: ``'auto'`` fits each layer's channel count when it is built."""
-    groups = dict(channels_per_group=channels_per_group) if channels_per_group else dict(num_groups=num_groups)
+    groups = _group_args(num_groups, channels_per_group)
     gn = dict(type='GNAuto', **groups, requires_grad=True)
     table = {
         'bn': (dict(type='BN', requires_grad=True), None, []),
@@ -95,7 +96,7 @@ def parse_spec(spec) -> dict:
     return spec
 
 
-_POLICY_WORDS = {AUTO: POLICY.split(' or ')[0]}
+_POLICY_WORDS = {AUTO: AUTO_RULE}
 
 
 class SwitchReport:
@@ -151,6 +152,7 @@ def _accepts(cls, arg: str) -> bool:
     ``__init__`` calling ``super(Base, self).__init__(**kwargs)`` skips ``Base``'s own (mmseg's
     IterativeDecodeHead skips BaseDecodeHead's ``norm_cfg``): the walk goes on after ``Base`` then."""
     mro = cls.__mro__
+    names = [k.__name__ for k in mro]
     i = 0
     while i < len(mro):
         init = mro[i].__dict__.get('__init__')
@@ -170,7 +172,6 @@ def _accepts(cls, arg: str) -> bool:
             skipped = _SUPER_SKIP.search(inspect.getsource(init))
         except (OSError, TypeError):
             skipped = None
-        names = [k.__name__ for k in mro]
         if skipped and skipped.group(1) in names[i:]:
             i = names.index(skipped.group(1), i) + 1
     return False
@@ -234,10 +235,11 @@ def _walk(node, path, partial=False):
             yield from _walk(value, f'{path}[{i}]', partial)
 
 
-def _groups(spec) -> dict:
-    if spec['channels_per_group'] is not None:
-        return dict(channels_per_group=spec['channels_per_group'])
-    return dict(num_groups=spec['num_groups'])
+def _group_args(num_groups, channels_per_group) -> dict:
+    """The group arguments of a norm_cfg: one form or the other (layers/groups.py)."""
+    if channels_per_group is not None:
+        return dict(channels_per_group=channels_per_group)
+    return dict(num_groups=num_groups)
 
 
 # the switch names that configs/imagenet/ has a pretraining config for (docs/pretraining.md)
@@ -303,7 +305,7 @@ def switch_norm(cfg, spec, verbose: bool = False) -> SwitchReport:
         if spec['norm'] == 'gn-pn' and path == 'backbone':
             if node['type'] in _PN_BACKBONES:
                 node['type'] = _PN_BACKBONES[node['type']]
-                norm = dict(type='GNPN', **_groups(spec))
+                norm = dict(type='GNPN', **_group_args(spec['num_groups'], spec['channels_per_group']))
             else:
                 report.notes.append(f"gn-pn: the backbone {node['type']} is not a ResNet/ResNetV1c, which PNResNet "
                                     'replaces: it gets GN without PN')
@@ -377,11 +379,8 @@ def group_choices(model) -> dict:
     out = {}
     for m in model.modules():
         policy = getattr(m, 'group_policy', None)
-        if policy is None or policy == 'exact':
-            continue
-        key = (m.num_channels, m.num_groups)
-        out.setdefault(policy, {})
-        out[policy][key] = out[policy].get(key, 0) + 1
+        if policy not in (None, 'exact'):
+            out.setdefault(policy, Counter())[(m.num_channels, m.num_groups)] += 1
     return out
 
 

@@ -23,10 +23,11 @@ from typing import List, Optional, Tuple
 import torch
 
 from .codebases import read_config
-from .norm_switch import CHOICES, finish_model, switch_norm
+from .norm_switch import CHOICES, _registry, finish_model, switch_norm
 
 # folders of .mim/configs that hold no model of their own (shared bases, dataset-only or deploy configs)
 _SKIP_FOLDERS = ('_base_', 'common', 'legacy_1.x', 'misc', 'deploy')
+_SITE_PACKAGES = re.compile(r'[^\s"\']*[/\\]site-packages[/\\]')
 # names that usually mark the plain, smallest variant of a folder's configs
 _PREFER = ('r18', 'r50', 'tiny', 'small', 's_', 'mobilenet', '-t_', 'b0')
 
@@ -80,14 +81,14 @@ def representative_configs(codebase: str, folders: Optional[List[str]] = None) -
     return out
 
 
-def _scope(cfg) -> str:
-    return cfg.get('default_scope') or 'mmengine'
-
-
-def _no_pretrained(node, mim_root=None):
-    """Drop every pretrained-weight load (the sweep builds from scratch, offline); a distillation teacher's
-    relative config path (``configs/gfl/...``, written for a source checkout) is found in the package."""
+def _offline_cpu(node, mim_root=None):
+    """The model dict as the sweep builds it, in place: every pretrained-weight load dropped (from scratch,
+    offline), SyncBN as BN (one CPU process, as the codebases' own unit tests build their configs), and a
+    distillation teacher's relative config path (``configs/gfl/...``, written for a source checkout) found in
+    the package."""
     if isinstance(node, dict):
+        if node.get('type') in ('SyncBN', 'MMSyncBN'):
+            node['type'] = 'BN'
         init = node.get('init_cfg')
         if isinstance(init, dict) and (init.get('type') in ('Pretrained', 'PretrainedBackbone')
                                        or 'checkpoint' in init):
@@ -100,22 +101,10 @@ def _no_pretrained(node, mim_root=None):
             packaged = osp.join(mim_root, teacher)
             node['teacher_config'] = packaged if osp.isfile(packaged) else teacher
         for value in node.values():
-            _no_pretrained(value, mim_root)
+            _offline_cpu(value, mim_root)
     elif isinstance(node, (list, tuple)):
         for value in node:
-            _no_pretrained(value, mim_root)
-
-
-def _plain_bn(node):
-    """SyncBN -> BN (one CPU process), as the codebases' own unit tests build their configs."""
-    if isinstance(node, dict):
-        if node.get('type') in ('SyncBN', 'MMSyncBN'):
-            node['type'] = 'BN'
-        for value in node.values():
-            _plain_bn(value)
-    elif isinstance(node, (list, tuple)):
-        for value in node:
-            _plain_bn(value)
+            _offline_cpu(value, mim_root)
 
 
 @contextlib.contextmanager
@@ -168,6 +157,7 @@ def _forward(model, x):
 
 def _one_line(e: BaseException) -> str:
     text = ' '.join(str(e).split()) or type(e).__name__
+    text = _SITE_PACKAGES.sub('', text)  # '<pkg>/...' rather than this machine's install path
     return f'{type(e).__name__}: {text[:300]}'
 
 
@@ -202,7 +192,6 @@ def _try_norm(config, norm, size, batch, seed) -> ZooResult:
 
     from .launch import codebase_of
     from .layers import set_update_rate
-    warnings.filterwarnings('ignore', category=UserWarning)  # the codebases' deprecation chatter, per build
     start = time.perf_counter()
     result = ZooResult(config, norm or 'as packaged', 'ok')
     stage = 'config'
@@ -213,8 +202,7 @@ def _try_norm(config, norm, size, batch, seed) -> ZooResult:
             return result
         scope = codebase_of(cfg)
         model_cfg = copy.deepcopy(cfg.model)
-        _no_pretrained(model_cfg, osp.dirname(package_configs(scope)) if scope != 'mmengine' else None)
-        _plain_bn(model_cfg)
+        _offline_cpu(model_cfg, osp.dirname(package_configs(scope)) if scope != 'mmengine' else None)
         cfg.model = model_cfg
         report = None
         if norm is not None:
@@ -224,8 +212,8 @@ def _try_norm(config, norm, size, batch, seed) -> ZooResult:
                 result.status, result.detail = 'nothing to switch', 'no module of the model takes a norm_cfg'
                 return result
         stage = 'build'
-        from .norm_switch import _registry
-        with DefaultScope.overwrite_default_scope(scope):
+        with DefaultScope.overwrite_default_scope(scope), warnings.catch_warnings():
+            warnings.simplefilter('ignore', UserWarning)  # the codebases' deprecation chatter, per build
             model = _registry(scope).build(cfg.model)
             if hasattr(model, 'init_weights'):
                 with _quiet():
@@ -271,8 +259,8 @@ def _try_norm(config, norm, size, batch, seed) -> ZooResult:
 
 def sweep(configs: List[Tuple[str, str]], norms=CHOICES, size: int = 64, batch: int = 2, log=print,
           timeout: int = 300) -> dict:
-    """``{folder: {'config': path, 'as packaged': line, norm: line}}`` over ``configs`` x ``norms``; an
-    architecture that fails as packaged gets that reason for every norm it also fails with."""
+    """``{folder: {'config': path, 'as packaged': line, norm: line}}`` over ``configs`` x ``norms``; the norms
+    of an architecture that fails as packaged are not tried: they read ``fails as packaged too: <its line>``."""
     table = {}
     total, done = len(configs) * (len(norms) + 1), 0
     t0 = time.perf_counter()
@@ -281,11 +269,8 @@ def sweep(configs: List[Tuple[str, str]], norms=CHOICES, size: int = 64, batch: 
         base = try_norm(path, None, size, batch, timeout=timeout)
         row['as packaged'] = base.line()
         for norm in norms:
-            r = try_norm(path, norm, size, batch, timeout=timeout) if base.ok else None
-            if r is None:
-                row[norm] = f'fails as packaged too: {base.line()}'
-            else:
-                row[norm] = r.line()
+            row[norm] = (try_norm(path, norm, size, batch, timeout=timeout).line() if base.ok else
+                         f'fails as packaged too: {base.line()}')
         table[folder] = row
         done += len(norms) + 1
         elapsed = time.perf_counter() - t0

@@ -25,8 +25,8 @@ import torch.nn as nn
 
 DEFAULT_GROUPS = 32  # the GN paper's G
 AUTO = 'auto'
-POLICY = (f"num_groups='auto' (the divisor nearest {DEFAULT_GROUPS} with >= 2 channels per group) or "
-          'channels_per_group=K')
+AUTO_RULE = f"num_groups='auto' (the divisor nearest {DEFAULT_GROUPS} with >= 2 channels per group)"
+POLICY = f'{AUTO_RULE} or channels_per_group=K'
 
 
 def _divisors(n: int):
