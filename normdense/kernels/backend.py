@@ -6,6 +6,7 @@ The choice: the layer's ``backend`` option, else the environment variable ``NORM
 else ATen. A kernel that fails to compile under ``auto`` makes the process fall back to ATen with one
 warning; a forced ``triton`` raises instead. Imports no layer (and no triton until asked).
 """
+import contextlib
 import os
 import warnings
 
@@ -67,6 +68,22 @@ def selected_backend(layer, x) -> str:
     if x.is_cuda and _STATE['broken'] is None and triton_error() is None:
         return 'triton'
     return 'aten'
+
+
+def device_guard(t):
+    """The context in which a Triton launch for tensor ``t`` runs: ``torch.cuda.device(t.device)`` for a CUDA
+    tensor (Triton launches on the current device and its current stream: without the guard, x on cuda:1 with
+    cuda:0 current is an illegal access, or a kernel on the wrong stream), nothing for a CPU tensor (the
+    interpreter)."""
+    device = _device_of(t)
+    if device.type != 'cuda':
+        return contextlib.nullcontext()
+    import torch
+    return torch.cuda.device(device)
+
+
+def _device_of(t):
+    return t.device  # why a function: the tests fake a second CUDA device on CPU tensors
 
 
 def compile_errors() -> tuple:

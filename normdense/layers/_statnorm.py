@@ -160,7 +160,8 @@ class StatNorm2d(nn.Module):
         if selected_backend(self, x) == 'triton':
             from ..kernels.triton import TritonBackend  # triton imported only when it runs
             try:
-                return self._run(x, TritonBackend, keep)
+                with _backend.device_guard(x):  # every launch on x's device and its current stream
+                    return self._run(x, TritonBackend, keep)
             except _backend.compile_errors() as e:  # under 'auto': the ATen backend takes this call and the next
                 _backend.give_up_triton(self.backend, e)
                 st = self.__dict__.get('_iteration')
@@ -301,7 +302,10 @@ def _backward_or_fallback(ctx, dy):
         dy = dy.contiguous()  # once, for both backward passes (a channels_last network's dy is strided)
         errors = _backend.compile_errors() if call.backend is not AtenBackend else ()
         try:
-            return _backward(ctx, x3, dy)
+            if call.backend is AtenBackend:
+                return _backward(ctx, x3, dy)
+            with _backend.device_guard(x3):  # autograd may run the backward with another device current
+                return _backward(ctx, x3, dy)
         except errors as e:  # a Triton backward kernel failed to compile: ATen, from the same statistics
             _backend.give_up_triton(call.option, e)
             ctx.call = call = types.SimpleNamespace(**{**vars(call), 'backend': AtenBackend,

@@ -11,6 +11,7 @@ import torch
 from normdense.kernels import backend as B
 from normdense.kernels import passes as P
 from normdense.layers import BatchChannelNorm2d, Unitization2d
+from tests.kernels.conftest import INTERPRETED
 from tests.kernels.launches import count_launches
 from tests.layers.test_fused import CASES, C, assert_same, make, run
 
@@ -216,3 +217,40 @@ def test_bcn_counts_num_batches_tracked_as_unitization(device, mode, path):
             layer.eval()(torch.randn(2, 8, 3, 3, device=device))
     expected = 3 if mode == 'estimate' else 6
     assert [int(layer.num_batches_tracked) for layer in layers] == [expected, expected]
+
+
+@pytest.mark.skipif(not INTERPRETED, reason='fakes a second device on CPU tensors: needs the interpreter')
+@pytest.mark.parametrize('name', ['bcn-estimate', 'bcn-batch', 'gnpn-relu', 'unitization-batch'])
+def test_every_launch_on_the_tensors_device(name, monkeypatch):
+    """x on a second device (faked: CPU tensors that report cuda:1, a recording torch.cuda.device) with device 0
+    current: every Triton launch of the forward and of the backward runs with x's device current (Triton
+    launches on the current device and its current stream), and device 0 is current again afterwards."""
+    from triton.runtime.interpreter import InterpretedFunction
+    current = [0]
+    seen = []
+
+    class FakeDevice:
+        def __init__(self, device):
+            self.index = torch.device(device).index
+
+        def __enter__(self):
+            self.prev, current[0] = current[0], self.index
+
+        def __exit__(self, *exc):
+            current[0] = self.prev
+
+    launch = InterpretedFunction.run
+
+    def record(self, *args, **kwargs):
+        seen.append(current[0])
+        return launch(self, *args, **kwargs)
+
+    monkeypatch.setattr(B, '_device_of', lambda t: torch.device('cuda', 1))
+    monkeypatch.setattr(torch.cuda, 'device', FakeDevice)
+    monkeypatch.setattr(InterpretedFunction, 'run', record)
+    tri, _ = pair(name, torch.float32)
+    x = torch.randn(2, C, 6, 5, requires_grad=True)
+    tri(x).sum().backward()
+    assert len(seen) >= 6, seen  # forward and backward launches
+    assert set(seen) == {1}, seen
+    assert current[0] == 0
