@@ -35,8 +35,6 @@ from ..kernels.backend import check_backend, selected_backend
 from ._estimate import in_backward, mark_iteration, watch_backward, world_size
 
 _HALF = (torch.float16, torch.bfloat16)
-# why: the reference composition's output dtype under autocast, found once per key on a tiny input
-_AUTOCAST_DTYPES = {}  # (device type, input dtype, batch statistics, autocast dtype) -> output dtype
 
 
 class StatNorm2d(nn.Module):
@@ -63,8 +61,10 @@ class StatNorm2d(nn.Module):
     * statistics never run in fp16/bf16 (sums over positions overflow or round away): the compute dtype is
       float64 where the input or a parameter is float64, else float32 (:meth:`stat_dtype`); the reference
       compositions take half inputs in float32 (:meth:`compute_input`);
-    * the output keeps the input's dtype, or under autocast the dtype the reference composition of
-      F.batch_norm / F.group_norm would give (:meth:`_output_dtype`, :meth:`_autocast_dtype`);
+    * the output keeps the input's dtype, under autocast too: statistics in float32 (float64 for float64),
+      y written once in x's dtype, as nn.BatchNorm2d does under autocast. nn.GroupNorm's autocast policy
+      returns float32 for a half input instead (twice the bytes written, and a float32 dy to read back);
+      the reference compositions cast to x's dtype so both paths give the same dtype;
     * estimate-mode estimates stay float32 when the module is cast to fp16/bf16 (``model.half()``): an update
       of ``r * delta`` with r ~ lr is below bf16's resolution and would be lost to rounding (:meth:`_apply`).
     """
@@ -119,23 +119,7 @@ class StatNorm2d(nn.Module):
         return None
 
     def _output_dtype(self, x: torch.Tensor) -> torch.dtype:
-        return x.dtype
-
-    @staticmethod
-    def _autocast_dtype(x: torch.Tensor, batch_stats: bool) -> torch.dtype:
-        """The output dtype of a composition of F.batch_norm (``batch_stats``) and F.group_norm on x: under
-        autocast they follow the device's autocast policy (e.g. float32 on CUDA)."""
-        if not autocast_enabled(x.device.type):
-            return x.dtype
-        key = (x.device.type, x.dtype, batch_stats, device_autocast(x.device.type)[1])
-        if key not in _AUTOCAST_DTYPES:
-            with torch.no_grad():
-                probe = torch.ones(2, 2, 1, 1, dtype=x.dtype, device=x.device)
-                w = torch.ones(2, device=x.device)
-                if batch_stats:
-                    probe = nn.functional.batch_norm(probe, None, None, w, w, True)
-                _AUTOCAST_DTYPES[key] = nn.functional.group_norm(probe, 1, w, w).dtype
-        return _AUTOCAST_DTYPES[key]
+        return x.dtype  # the class docstring's dtype policy
 
     def _statnorm_dtypes(self, x: torch.Tensor) -> Tuple[torch.dtype, torch.dtype]:
         """(compute dtype, output dtype) of the engine: the class docstring's policy over x and the parameters."""

@@ -256,7 +256,8 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
         if self.fused and self._fusable(x):
             y = self._statnorm_forward(x)
         else:
-            y = self._channel_stage(self._batch_stage(x), self.weight, self.bias)
+            # the engine's dtype policy (StatNorm2d): under CUDA autocast F.group_norm returns float32
+            y = self._channel_stage(self._batch_stage(x), self.weight, self.bias).to(x.dtype)
         return self._watch(y)
 
     def _fusable(self, x) -> bool:
@@ -268,10 +269,6 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
 
     def _statnorm_params(self):
         return self.batch_weight, self.batch_bias, self.weight, self.bias
-
-    def _output_dtype(self, x):
-        synced = self.sync_stats and _world_size() > 1
-        return self._autocast_dtype(x, self.mode == 'batch' and self.training and not synced)
 
     def _coeff_maps(self, triton: bool):
         cfg = BCNConfig(self.num_groups, self.eps, self.group_affine)
