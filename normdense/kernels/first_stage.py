@@ -1,0 +1,184 @@
+"""The StatNorm engine's first stage in Triton: the chunks' moments merged into the per-(n, c) m, v and, by mode,
+the per-channel statistics (C,) the coefficient maps take. Device functions, so that a layer's coefficient
+kernel can run them in its own launch (the stats step folded into the map), plus the standalone stats kernel
+(the path whose m, v torch code reads first: the all-reduce of ``sync_stats``).
+
+Modes (``aten.STATS_*``):
+  NONE: m, v only (GN+PN);
+  FIXED: mean, var copied from stat_mean / stat_var (eval: the running statistics);
+  ESTIMATE: Algorithm 1 steps 1-4 of arXiv:1903.10520 from the estimates at the iteration's start (stat_* when
+    WRITE, which then also copies them to base; else base): the batch mean and the second moment around the
+    estimate (moved, (2, C)), the estimates moved by ``rate`` towards them (mean, var); WRITE: the running
+    estimates' new values (upd, (2, C)) are them;
+  BATCH: the batch mean and biased variance, two passes over the samples (the mean, then the mean of
+    v + (m - mean)^2: the law of total variance, centred, as the ATen backend); WRITE: the running statistics'
+    new values (upd): tracked with the unbiased variance, ``momentum`` or the cumulative 1 / (tracked + 1).
+Nothing of the module's state is written here: the apply kernel, the forward's last, copies upd into the
+buffers and counts num_batches_tracked, so a kernel failing to compile leaves the state as it was.
+
+Samples are taken BLOCK_N at a time as [BLOCK_N, BLOCK_C] tiles (a few iterations at classification batch
+sizes, not one dependent load per sample); block sizes are keyed on C only, so a batch size never recompiles.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .aten import STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, STATS_NONE  # noqa: F401  (the modes)
+from .scalars import from_hi_lo, hi_lo
+
+
+@triton.jit
+def row_moments(part_ptr, rows, mask, ROWS, L, CHUNK, SPLIT, ACC: tl.constexpr):
+    """(mean, centred sum of squares) of the rows ``rows`` (any tile shape) from the chunks' partials (SPLIT, 2,
+    ROWS), merged in chunk order with Chan et al.'s update (deterministic; no E[x^2] - E[x]^2)."""
+    cnt = tl.zeros(rows.shape, ACC)
+    mean = tl.zeros(rows.shape, ACC)
+    m2 = tl.zeros(rows.shape, ACC)
+    for s in range(0, SPLIT):
+        nb = tl.minimum(L - s * CHUNK, CHUNK).to(ACC)
+        pm = tl.load(part_ptr + s * 2 * ROWS + rows, mask=mask, other=0.0).to(ACC)
+        pm2 = tl.load(part_ptr + (s * 2 + 1) * ROWS + rows, mask=mask, other=0.0).to(ACC)
+        tot = cnt + nb
+        delta = pm - mean
+        mean = mean + delta * (nb / tot)
+        m2 = m2 + pm2 + delta * delta * (cnt * nb / tot)
+        cnt = tot
+    return mean, m2
+
+
+@triton.jit
+def channel_stats(part_ptr, m_ptr, v_ptr, ch, cm, N, C, L, CHUNK, SPLIT, stat_mean_ptr, stat_var_ptr, base_ptr,
+                  mean_ptr, var_ptr, moved_ptr, upd_ptr, nbt_ptr, rate, momentum, WRITE, OWNER,
+                  MODE: tl.constexpr, CUMULATIVE: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+    """(mean, var) of the channels ``ch`` (a 1-D tile, ``cm`` its mask) by MODE, in ACC. Where OWNER is nonzero
+    (one program per channel), also writes m, v (N, C) of these channels and mean, var, moved, upd, base as
+    the module docstring says; ``rate``, ``momentum``: ACC scalars."""
+    ROWS = N * C
+    Lf = L.to(ACC)
+    nn0 = tl.arange(0, BLOCK_N)
+    bm = tl.zeros(ch.shape, ACC)  # ESTIMATE: the iteration's starting estimates
+    bv = tl.zeros(ch.shape, ACC)
+    if MODE == 2:
+        if WRITE != 0:
+            bm = tl.load(stat_mean_ptr + ch, mask=cm, other=0.0).to(ACC)
+            bv = tl.load(stat_var_ptr + ch, mask=cm, other=0.0).to(ACC)
+        else:
+            bm = tl.load(base_ptr + ch, mask=cm, other=0.0).to(ACC)
+            bv = tl.load(base_ptr + C + ch, mask=cm, other=0.0).to(ACC)
+    s1 = tl.zeros(ch.shape, ACC)
+    s2 = tl.zeros(ch.shape, ACC)
+    for n0 in range(0, N, BLOCK_N):
+        nn = n0 + nn0
+        rows = nn[:, None] * C + ch[None, :]
+        mask = (nn < N)[:, None] & cm[None, :]
+        mean, m2 = row_moments(part_ptr, rows, mask, ROWS, L, CHUNK, SPLIT, ACC)
+        var = m2 / Lf
+        if OWNER != 0:
+            tl.store(m_ptr + rows, mean, mask=mask)
+            tl.store(v_ptr + rows, var, mask=mask)
+        if MODE == 2:  # sums of m and of v + (m - estimate)^2
+            d = mean - bm[None, :]
+            s1 += tl.sum(tl.where(mask, mean, 0.0), axis=0)
+            s2 += tl.sum(tl.where(mask, var + d * d, 0.0), axis=0)
+        if MODE == 3:
+            s1 += tl.sum(tl.where(mask, mean, 0.0), axis=0)
+    Nf = N.to(ACC)
+    out_mean = tl.zeros(ch.shape, ACC)
+    out_var = tl.zeros(ch.shape, ACC)
+    if MODE == 1:
+        out_mean = tl.load(stat_mean_ptr + ch, mask=cm, other=0.0).to(ACC)
+        out_var = tl.load(stat_var_ptr + ch, mask=cm, other=0.0).to(ACC)
+    if MODE == 2:
+        bmean = s1 / Nf
+        bm2 = s2 / Nf
+        out_mean = bm + rate * (bmean - bm)
+        out_var = bv + rate * (bm2 - bv)
+        if OWNER != 0:
+            tl.store(moved_ptr + ch, bmean, mask=cm)
+            tl.store(moved_ptr + C + ch, bm2, mask=cm)
+            if WRITE != 0:
+                tl.store(base_ptr + ch, bm, mask=cm)
+                tl.store(base_ptr + C + ch, bv, mask=cm)
+                tl.store(upd_ptr + ch, out_mean, mask=cm)
+                tl.store(upd_ptr + C + ch, out_var, mask=cm)
+    if MODE == 3:
+        out_mean = s1 / Nf
+        for n0 in range(0, N, BLOCK_N):  # second pass: centred on the batch mean
+            nn = n0 + nn0
+            rows = nn[:, None] * C + ch[None, :]
+            mask = (nn < N)[:, None] & cm[None, :]
+            mean, m2 = row_moments(part_ptr, rows, mask, ROWS, L, CHUNK, SPLIT, ACC)
+            d = mean - out_mean[None, :]
+            s2 += tl.sum(tl.where(mask, m2 / Lf + d * d, 0.0), axis=0)
+        out_var = s2 / Nf
+        if OWNER != 0:
+            if WRITE != 0:
+                rm = tl.load(stat_mean_ptr + ch, mask=cm, other=0.0).to(ACC)
+                rv = tl.load(stat_var_ptr + ch, mask=cm, other=0.0).to(ACC)
+                k = Nf * Lf
+                unbiased = out_var * (k / (k - 1.0))
+                if CUMULATIVE:  # divided, not multiplied by 1 / count: a float32 literal 1.0 would round it
+                    tracked = (tl.load(nbt_ptr) + 1).to(ACC)
+                    tl.store(upd_ptr + ch, rm + (out_mean - rm) / tracked, mask=cm)
+                    tl.store(upd_ptr + C + ch, rv + (unbiased - rv) / tracked, mask=cm)
+                else:
+                    tl.store(upd_ptr + ch, rm + momentum * (out_mean - rm), mask=cm)
+                    tl.store(upd_ptr + C + ch, rv + momentum * (unbiased - rv), mask=cm)
+    if MODE != 0:
+        if OWNER != 0:
+            tl.store(mean_ptr + ch, out_mean, mask=cm)
+            tl.store(var_ptr + ch, out_var, mask=cm)
+    return out_mean, out_var
+
+
+@triton.jit(do_not_specialize=['N', 'C', 'L', 'CHUNK', 'SPLIT', 'WRITE'])
+def _stats_kernel(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat_var_ptr, base_ptr,
+                  moved_ptr, upd_ptr, nbt_ptr, N, C, L, CHUNK, SPLIT, rate_hi, rate_lo, mom_hi, mom_lo, WRITE,
+                  MODE: tl.constexpr, CUMULATIVE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                  ACC: tl.constexpr):
+    """The first stage alone, one program per block of channels."""
+    ch = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    channel_stats(part_ptr, m_ptr, v_ptr, ch, ch < C, N, C, L, CHUNK, SPLIT, stat_mean_ptr, stat_var_ptr,
+                  base_ptr, mean_ptr, var_ptr, moved_ptr, upd_ptr, nbt_ptr, from_hi_lo(rate_hi, rate_lo, ACC),
+                  from_hi_lo(mom_hi, mom_lo, ACC), WRITE, 1, MODE, CUMULATIVE, BLOCK_N, ACC)
+
+
+def stat_blocks(c: int):
+    """(BLOCK_N, BLOCK_C) of the first stage's tiles: keyed on C only (<= 1024 elements)."""
+    block_c = min(triton.next_power_of_2(max(c, 1)), 128)
+    return max(1, 1024 // block_c), block_c
+
+
+def acc_dtype(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def stats(part, split, chunk, shape, mode=STATS_NONE, stat_mean=None, stat_var=None, base=None, rate=0.0,
+          momentum=0.1, write=False, nbt=None):
+    """Merge the moment partials of x (N, C, L) = ``shape``: returns (m, v, mean, var, moved, upd) with m, v
+    (N, C) and, by ``mode`` (the module docstring), mean, var (C,), for STATS_ESTIMATE ``moved`` (2, C): the
+    batch mean and second moment around the estimates, and with ``write`` ``upd`` (2, C): the new values of
+    (stat_mean, stat_var) for the apply kernel to write. ``base`` (2, C): the iteration's starting estimates
+    (written when ``write``, else read). STATS_BATCH with ``momentum`` None needs ``nbt``."""
+    n, c, length = shape
+    dt = part.dtype
+    m = torch.empty(n, c, dtype=dt, device=part.device)
+    v = torch.empty(n, c, dtype=dt, device=part.device)
+    mean = var = moved = None
+    dummy = m
+    if mode != STATS_NONE:
+        mean = torch.empty(c, dtype=dt, device=part.device)
+        var = torch.empty(c, dtype=dt, device=part.device)
+    if mode == STATS_ESTIMATE:
+        moved = torch.empty(2, c, dtype=dt, device=part.device)
+    upd = torch.empty(2, c, dtype=dt, device=part.device) if write else None
+    cumulative = mode == STATS_BATCH and momentum is None
+    block_n, block_c = stat_blocks(c)
+    _stats_kernel[(triton.cdiv(c, block_c), )](
+        part, m, v, dummy if mean is None else mean, dummy if var is None else var,
+        dummy if stat_mean is None else stat_mean, dummy if stat_var is None else stat_var,
+        dummy if base is None else base, dummy if moved is None else moved, dummy if upd is None else upd,
+        dummy if nbt is None else nbt, n, c, length, chunk, split, *hi_lo(rate),
+        *hi_lo(0.0 if momentum is None else momentum), int(bool(write)), MODE=mode, CUMULATIVE=cumulative,
+        BLOCK_N=block_n, BLOCK_C=block_c, ACC=acc_dtype(dt))
+    return m, v, mean, var, moved, upd
