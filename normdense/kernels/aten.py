@@ -219,6 +219,11 @@ class AtenBackend:
         return m, v, mean, var, moved, upd
 
     @staticmethod
+    def plan_stats(part, shape, *args, **kwargs):
+        """(:meth:`stats`'s outputs, None): computed now (there is no coefficient kernel to fold them into)."""
+        return AtenBackend.stats(part, shape, *args, **kwargs), None
+
+    @staticmethod
     def apply(x3, m, v, pc, act=None, out_dtype=None, write=None, nbt=None, buf=None):
         """y (``out_dtype``) on x3 (N, C, L), written into ``buf`` (from :func:`moments`) when given; then the
         module's state: ``write`` = (upd from :meth:`stats`, running_mean, running_var), ``nbt`` counted."""

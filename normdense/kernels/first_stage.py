@@ -47,12 +47,14 @@ def row_moments(part_ptr, rows, mask, ROWS, L, CHUNK, SPLIT, ACC: tl.constexpr):
 
 
 @triton.jit
-def channel_stats(part_ptr, m_ptr, v_ptr, ch, cm, N, C, L, CHUNK, SPLIT, stat_mean_ptr, stat_var_ptr, base_ptr,
-                  mean_ptr, var_ptr, moved_ptr, upd_ptr, nbt_ptr, rate, momentum, WRITE, OWNER,
+def channel_stats(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat_var_ptr, base_ptr, moved_ptr,
+                  upd_ptr, nbt_ptr, N, C, L, CHUNK, SPLIT, rate_hi, rate_lo, mom_hi, mom_lo, WRITE, ch, cm, OWNER,
                   MODE: tl.constexpr, CUMULATIVE: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
     """(mean, var) of the channels ``ch`` (a 1-D tile, ``cm`` its mask) by MODE, in ACC. Where OWNER is nonzero
     (one program per channel), also writes m, v (N, C) of these channels and mean, var, moved, upd, base as
-    the module docstring says; ``rate``, ``momentum``: ACC scalars."""
+    the module docstring says. The arguments up to WRITE are :meth:`FirstStage.kernel_args`."""
+    rate = from_hi_lo(rate_hi, rate_lo, ACC)
+    momentum = from_hi_lo(mom_hi, mom_lo, ACC)
     ROWS = N * C
     Lf = L.to(ACC)
     nn0 = tl.arange(0, BLOCK_N)
@@ -132,15 +134,15 @@ def channel_stats(part_ptr, m_ptr, v_ptr, ch, cm, N, C, L, CHUNK, SPLIT, stat_me
 
 
 @triton.jit(do_not_specialize=['N', 'C', 'L', 'CHUNK', 'SPLIT', 'WRITE'])
-def _stats_kernel(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat_var_ptr, base_ptr,
-                  moved_ptr, upd_ptr, nbt_ptr, N, C, L, CHUNK, SPLIT, rate_hi, rate_lo, mom_hi, mom_lo, WRITE,
+def _stats_kernel(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat_var_ptr, base_ptr, moved_ptr,
+                  upd_ptr, nbt_ptr, N, C, L, CHUNK, SPLIT, rate_hi, rate_lo, mom_hi, mom_lo, WRITE,
                   MODE: tl.constexpr, CUMULATIVE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
                   ACC: tl.constexpr):
     """The first stage alone, one program per block of channels."""
     ch = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    channel_stats(part_ptr, m_ptr, v_ptr, ch, ch < C, N, C, L, CHUNK, SPLIT, stat_mean_ptr, stat_var_ptr,
-                  base_ptr, mean_ptr, var_ptr, moved_ptr, upd_ptr, nbt_ptr, from_hi_lo(rate_hi, rate_lo, ACC),
-                  from_hi_lo(mom_hi, mom_lo, ACC), WRITE, 1, MODE, CUMULATIVE, BLOCK_N, ACC)
+    channel_stats(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat_var_ptr, base_ptr, moved_ptr,
+                  upd_ptr, nbt_ptr, N, C, L, CHUNK, SPLIT, rate_hi, rate_lo, mom_hi, mom_lo, WRITE,
+                  ch, ch < C, 1, MODE, CUMULATIVE, BLOCK_N, ACC)
 
 
 def stat_blocks(c: int):
@@ -153,6 +155,48 @@ def acc_dtype(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
+class FirstStage:
+    """One call's first stage, planned: its outputs allocated (``outputs``: m, v, mean, var, moved, upd as
+    :func:`stats` returns them) and its launch arguments ready, either for the standalone kernel
+    (:meth:`launch`) or for a coefficient kernel that runs :func:`channel_stats` itself (:meth:`kernel_args`:
+    the 21 runtime arguments, in :func:`channel_stats`'s order from ``part_ptr`` to ``WRITE``, and
+    :meth:`constexprs`)."""
+
+    def __init__(self, part, split, chunk, shape, mode=STATS_NONE, stat_mean=None, stat_var=None, base=None,
+                 rate=0.0, momentum=0.1, write=False, nbt=None):
+        n, c, length = shape
+        dt, dev = part.dtype, part.device
+        m, v = torch.empty(n, c, dtype=dt, device=dev), torch.empty(n, c, dtype=dt, device=dev)
+        mean = var = moved = None
+        if mode != STATS_NONE:
+            mean, var = torch.empty(c, dtype=dt, device=dev), torch.empty(c, dtype=dt, device=dev)
+        if mode == STATS_ESTIMATE:
+            moved = torch.empty(2, c, dtype=dt, device=dev)
+        upd = torch.empty(2, c, dtype=dt, device=dev) if write else None
+        self.outputs = (m, v, mean, var, moved, upd)
+        self.mode, self.cumulative = mode, mode == STATS_BATCH and momentum is None
+        self.shape, self.acc = (n, c, length), acc_dtype(dt)
+
+        def ptr(t):
+            return m if t is None else t  # an unused pointer argument: any tensor
+        self._args = (part, m, v, ptr(mean), ptr(var), ptr(stat_mean), ptr(stat_var), ptr(base), ptr(moved),
+                      ptr(upd), ptr(nbt), n, c, length, chunk, split, *hi_lo(rate),
+                      *hi_lo(0.0 if momentum is None else momentum), int(bool(write)))
+
+    def kernel_args(self):
+        return self._args
+
+    def constexprs(self):
+        return dict(MODE=self.mode, CUMULATIVE=self.cumulative)
+
+    def launch(self):
+        """The standalone stats kernel: one program per block of channels."""
+        block_n, block_c = stat_blocks(self.shape[1])
+        _stats_kernel[(triton.cdiv(self.shape[1], block_c), )](*self._args, **self.constexprs(), BLOCK_N=block_n,
+                                                               BLOCK_C=block_c, ACC=self.acc)
+        return self.outputs
+
+
 def stats(part, split, chunk, shape, mode=STATS_NONE, stat_mean=None, stat_var=None, base=None, rate=0.0,
           momentum=0.1, write=False, nbt=None):
     """Merge the moment partials of x (N, C, L) = ``shape``: returns (m, v, mean, var, moved, upd) with m, v
@@ -160,25 +204,5 @@ def stats(part, split, chunk, shape, mode=STATS_NONE, stat_mean=None, stat_var=N
     batch mean and second moment around the estimates, and with ``write`` ``upd`` (2, C): the new values of
     (stat_mean, stat_var) for the apply kernel to write. ``base`` (2, C): the iteration's starting estimates
     (written when ``write``, else read). STATS_BATCH with ``momentum`` None needs ``nbt``."""
-    n, c, length = shape
-    dt = part.dtype
-    m = torch.empty(n, c, dtype=dt, device=part.device)
-    v = torch.empty(n, c, dtype=dt, device=part.device)
-    mean = var = moved = None
-    dummy = m
-    if mode != STATS_NONE:
-        mean = torch.empty(c, dtype=dt, device=part.device)
-        var = torch.empty(c, dtype=dt, device=part.device)
-    if mode == STATS_ESTIMATE:
-        moved = torch.empty(2, c, dtype=dt, device=part.device)
-    upd = torch.empty(2, c, dtype=dt, device=part.device) if write else None
-    cumulative = mode == STATS_BATCH and momentum is None
-    block_n, block_c = stat_blocks(c)
-    _stats_kernel[(triton.cdiv(c, block_c), )](
-        part, m, v, dummy if mean is None else mean, dummy if var is None else var,
-        dummy if stat_mean is None else stat_mean, dummy if stat_var is None else stat_var,
-        dummy if base is None else base, dummy if moved is None else moved, dummy if upd is None else upd,
-        dummy if nbt is None else nbt, n, c, length, chunk, split, *hi_lo(rate),
-        *hi_lo(0.0 if momentum is None else momentum), int(bool(write)), MODE=mode, CUMULATIVE=cumulative,
-        BLOCK_N=block_n, BLOCK_C=block_c, ACC=acc_dtype(dt))
-    return m, v, mean, var, moved, upd
+    return FirstStage(part, split, chunk, shape, mode, stat_mean, stat_var, base, rate, momentum, write,
+                      nbt).launch()

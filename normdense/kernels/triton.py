@@ -9,6 +9,7 @@ import torch
 
 from . import passes as P
 from .activations import act_args
+from .first_stage import FirstStage
 from .aten import STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, STATS_NONE  # noqa: F401  (the same modes)
 
 
@@ -18,6 +19,7 @@ def _act(act):
 
 class TritonBackend:
     name = 'triton'  # x3 and dy come contiguous (the engine makes them so for this backend)
+    FOLD_STATS = False  # the layers' map kernels run the first stage (first_stage.channel_stats) themselves
 
     @staticmethod
     def prepare(coeffs, v):
@@ -35,6 +37,18 @@ class TritonBackend:
         partials, split, chunk = part
         return P.stats(partials, split, chunk, shape, mode, stat_mean, stat_var, base, rate=rate,
                        momentum=momentum, write=write, nbt=nbt)
+
+    @staticmethod
+    def plan_stats(part, shape, mode=STATS_NONE, stat_mean=None, stat_var=None, base=None, rate=0.0, momentum=0.1,
+                   write=False, nbt=None):
+        """(:meth:`stats`'s outputs, the planned first stage): the outputs are allocated, and filled by the
+        layer's coefficient map kernel, which runs the first stage in its own launch (``first=``); where
+        FOLD_STATS is off, the stats kernel runs now and the plan is None."""
+        partials, split, chunk = part
+        plan = FirstStage(partials, split, chunk, shape, mode, stat_mean, stat_var, base, rate, momentum, write, nbt)
+        if not TritonBackend.FOLD_STATS:
+            return plan.launch(), None
+        return plan.outputs, plan
 
     @staticmethod
     def apply(x3, m, v, coeffs, act=None, out_dtype=None, write=None, nbt=None, buf=None):

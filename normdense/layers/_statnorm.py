@@ -164,13 +164,14 @@ class StatNorm2d(nn.Module):
             # read (n, c, HW) rows; a no-op for a contiguous x
             x3 = x3.contiguous()
             part = be.moments(x3)
-            m, v, stats, write, nbt, record = self._first_stage(be, part, x3.shape)
+            m, v, stats, write, nbt, record, first = self._first_stage(be, part, x3.shape)
             params = tuple(self._statnorm_params())
             # the layer's Triton maps, or its torch ones where the statistics come from a collective
             triton = be is not AtenBackend and not isinstance(stats[3], torch.Tensor)
             call = types.SimpleNamespace(
                 backend=be, maps=self._coeff_maps(triton), fallback_maps=self._coeff_maps(False) if triton else None,
                 option=self.backend, act=self._statnorm_act(), m=m, v=v, stats=stats, out_dtype=out_dtype,
+                fold={} if first is None else {'first': first},
                 ends_iteration=self.mode == 'estimate' and self.training)
             effects = [write, nbt, part[2] if be is AtenBackend else None]  # the last: storage y may take
             needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(
@@ -182,7 +183,7 @@ class StatNorm2d(nn.Module):
                 keep.append((ctx, _op_backward))
                 needs_grad = False
             elif not needs_grad:  # eval / no_grad: nothing kept
-                coeffs = call.maps[0](m, v, stats[1], stats[2], params, x3.shape[2], stats[3])[0]
+                coeffs = call.maps[0](m, v, stats[1], stats[2], params, x3.shape[2], stats[3], **call.fold)[0]
                 y = be.apply(x3, m, v, be.prepare(coeffs, v), call.act, out_dtype, *effects)
             else:  # the list: a tensor argument returned as the output would make the output a view of an input
                 y = _StatNormFn.apply(x3, call, effects, *params)
@@ -191,35 +192,37 @@ class StatNorm2d(nn.Module):
         return _reshaped_base(y, shape) if not needs_grad else y.view(shape)
 
     def _first_stage(self, be, part, shape):
-        """(m, v, stats, write, nbt, record): the moments, the statistics (kind, mean, var, count), what the
-        backend's apply writes into the buffers last, the num_batches_tracked it counts, and a Python step for
-        after the kernels. The estimate update, tracking and the forward's all-reduce: here, once per call."""
+        """(m, v, stats, write, nbt, record, first): the moments, the statistics (kind, mean, var, count), what
+        the backend's apply writes into the buffers last, the num_batches_tracked it counts, a Python step for
+        after the kernels, and the backend's planned first stage that the coefficient map must run (None: done;
+        m, v, mean, var are filled when the map has run). The estimate update, tracking and the forward's
+        all-reduce: here, once per call."""
         none = (None, None, None)
         if not self._FIRST_STAGE:
-            m, v = be.stats(part, shape)[:2]
-            return m, v, ('none', None, None, None), *none
+            (m, v, *_), first = be.plan_stats(part, shape)
+            return m, v, ('none', None, None, None), *none, first
         rm, rv, nbt = self.running_mean, self.running_var, self._buffers.get('num_batches_tracked')
         if not self.training:
-            m, v, mean, var = be.stats(part, shape, STATS_FIXED, rm, rv)[:4]
-            return m, v, ('fixed', mean, var, None), *none
+            (m, v, mean, var, *_), first = be.plan_stats(part, shape, STATS_FIXED, rm, rv)
+            return m, v, ('fixed', mean, var, None), *none, first
         estimate = self.mode == 'estimate'
         if self.sync_stats and world_size() > 1 and (estimate or self._SYNC_BATCH):
-            m, v = be.stats(part, shape)[:2]
-            return m, v, self._synced_stats(m, v, shape[2]), *none
+            m, v = be.stats(part, shape)[:2]  # torch code reads them now: no deferred launch
+            return m, v, self._synced_stats(m, v, shape[2]), *none, None
         count = shape[0] * shape[2]
         backward = in_backward()  # a checkpoint's recomputation: the forward's values, no state change
         if estimate:  # Algorithm 1, once per iteration
             st = self._open_iteration(deferred=True)
             first = st.total is None and not backward
-            m, v, mean, var, moved, upd = be.stats(part, shape, STATS_ESTIMATE, rm, rv, st.base, rate=st.rate,
-                                                  write=first)
+            (m, v, mean, var, moved, upd), pending = be.plan_stats(part, shape, STATS_ESTIMATE, rm, rv, st.base,
+                                                                   rate=st.rate, write=first)
             record = None if backward else (lambda: self._record_call(st, moved, count))
             return m, v, ('fixed', mean, var, None), (upd, rm, rv) if first else None, \
-                nbt if first else None, record
-        m, v, mean, var, _, upd = be.stats(part, shape, STATS_BATCH, rm, rv, momentum=self.momentum,
-                                           write=not backward, nbt=nbt)
+                nbt if first else None, record, pending
+        (m, v, mean, var, _, upd), pending = be.plan_stats(part, shape, STATS_BATCH, rm, rv, momentum=self.momentum,
+                                                           write=not backward, nbt=nbt)
         return m, v, ('batch', mean, var, count), None if backward else (upd, rm, rv), \
-            None if backward else nbt, None
+            None if backward else nbt, None, pending
 
     def _synced_stats(self, m, v, positions):
         """The first stage across processes (torch code around the collectives), its side effects done."""
@@ -254,7 +257,8 @@ class StatNorm2d(nn.Module):
 # --- the autograd Function ------------------------------------------------------------------------------------
 def _forward(ctx, x3, call, effects, params):
     kind, mean, var, count = call.stats
-    coeffs, res = call.maps[0](call.m, call.v, mean, var, params, x3.shape[2], count)
+    coeffs, res = call.maps[0](call.m, call.v, mean, var, params, x3.shape[2], count, **call.fold)
+    call.fold = {}  # the first stage ran in the map: the values are there for the backward
     ctx.call, ctx.pc, ctx.res, ctx.params = call, call.backend.prepare(coeffs, call.v), res, params
     ctx.param_dtypes = [None if p is None else p.dtype for p in params]
     return call.backend.apply(x3, call.m, call.v, ctx.pc, call.act, call.out_dtype, *effects)
