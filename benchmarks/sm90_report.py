@@ -18,6 +18,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
+def _json(report):
+    """Indented down to one line per variant, step and violation: readable diffs at a reasonable size."""
+    parts = []
+    for key, value in report.items():
+        if isinstance(value, list):
+            body = '[\n  ' + ',\n  '.join(json.dumps(v) for v in value) + '\n ]'
+        elif key == 'violations':
+            body = '{\n' + ',\n'.join(f'  {json.dumps(k)}: [' + ''.join(f'\n   {json.dumps(x)},' for x in v)
+                                       .rstrip(',') + ('\n  ]' if v else ']') for k, v in value.items()) + '\n }'
+        else:
+            body = json.dumps(value)
+        parts.append(f' {json.dumps(key)}: {body}')
+    return '{\n' + ',\n'.join(parts) + '\n}\n'
+
+
 def main():
     assert os.environ.get('TRITON_INTERPRET') != '1', 'run without TRITON_INTERPRET: the kernels must be JIT ones'
     from tests.kernels import sm90_record as R
@@ -32,7 +47,7 @@ def main():
     report = M.build(args.settings, args.cases, args.levels, args.arch)
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, 'sm90_report.json'), 'w') as f:
-        json.dump(report, f, indent=1)
+        f.write(_json(report))
     with open(os.path.join(args.out_dir, 'sm90_report.md'), 'w') as f:
         f.write(M.markdown(report))
     t = report['timing']

@@ -185,7 +185,8 @@ def ttir_accesses(ttir):
 
 
 # --- PTX ----------------------------------------------------------------------------------------------------
-_PTX_MEM = re.compile(r'^\s*(?:@!?%\w+\s+)?((ld|st|atom|red)\.global[\w.:]*|cp\.async\.\w+\.shared\.global[\w.:]*)\s+(.*)$')
+_PTX_MEM = re.compile(r'^\s*(?:@!?%\w+\s+)?'  # a predicate
+                      r'((ld|st|atom|red)\.global[\w.:]*|cp\.async\.\w+\.shared\.global[\w.:]*)\s+(.*)$')
 _BITS = re.compile(r'\.[bfsu](8|16|32|64)\b')
 
 

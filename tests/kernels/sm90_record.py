@@ -27,8 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 N, CHANNELS, GROUPS = 2, 256, 32  # 2 images x 256 channels; mmdet's GN default of 32 groups where grouped
 LEVELS = {'P2': (200, 304), 'P3': (100, 152), 'P4': (50, 76), 'P5': (25, 38), 'P6': (13, 19), 'P7': (7, 10)}
 DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': torch.float32, 'fp64': torch.float64}
-# the mixed-precision layouts, on bf16 inputs: autocast (fp32 parameters, a float32 dy arriving from the
-# layers after it) and a channels_last network (x and dy strided)
+# bf16 x under autocast (float32 parameters; a float32 output and dy where the layer follows autocast's policy,
+# as BCN does) and channels_last networks (x and dy strided)
 EXTRA = {'bf16-autocast': torch.bfloat16, 'bf16-channels_last': torch.bfloat16, 'fp32-channels_last': torch.float32}
 
 
@@ -204,8 +204,9 @@ def record_step(recorder, factory, setting, hw):
                 if phase == 'forward':
                     with ctx():
                         y = layer(x)
-                elif phase == 'backward':  # dy as the layer after it hands it back: y's layout, float32 under autocast
-                    dy = torch.empty(y.shape, dtype=torch.float32 if autocast else y.dtype, memory_format=fmt)
+                elif phase == 'backward':  # dy as the network hands it back: y's dtype (autograd casts a
+                    # gradient to its output's dtype: float32 where autocast made y float32) and x's layout
+                    dy = torch.empty(y.shape, dtype=y.dtype, memory_format=fmt)
                     dx = torch.autograd.grad(y, [x] + params, dy)[0]
                 else:
                     layer.eval()

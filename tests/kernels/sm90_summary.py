@@ -7,10 +7,13 @@ is its command line; tests/kernels/test_sm90_report.py runs it in CI and fails o
 2. Compile (tests/kernels/sm90_compile.py): each distinct variant once (the sizes are do_not_specialize, so
    the levels share variants), reading from its TTIR and PTX which pointer arguments it streams over and how
    wide its accesses are, registers and spills from ptxas, fp64 approximations.
-3. Per step: launches (Triton + the ATen operators between them, each a CUDA launch) and the activation bytes
-   moved: per launch, every activation-sized tensor argument (as many elements as x) that the kernel reads
-   by a block (tile) load counts its bytes once, every one it writes by a block store likewise; per ATen
-   operator, its activation-sized inputs and outputs. As a multiple of x's bytes.
+3. Per step: launches (Triton + the ATen operators between them, each a CUDA launch; ``set_``, which only
+   re-points a tensor, excluded) and the activation bytes moved: per launch, every activation-sized tensor
+   argument (as many elements as x) that the kernel reads by a block (tile) load counts its bytes once,
+   every one it writes by a block store likewise (a second pass over the same tensor inside one kernel
+   would not show); per ATen operator (a layout copy of a channels_last x or dy, a dtype conversion of dy),
+   its activation-sized inputs and outputs. As a multiple of x's bytes. A training step is the forward and
+   ``torch.autograd.grad`` of the output with dy in y's dtype and x's layout (what a network hands back).
 
 Checks (``CHECKS``): each a list of violations, reported separately."""
 import collections
@@ -49,7 +52,7 @@ def _describe(variant):
                        .startswith('*'))
     return dict(kernel=variant['name'], module=variant['fn'].fn.__module__, constexprs=consts,
                 value_1_specialized=fixed, divisible_16_ints=divisible, num_warps=variant['options'].num_warps,
-                pointers={n: t[1:] for n, t in variant['signature'].items() if t.startswith('*')})
+                pointer_types=sorted({t[1:] for t in variant['signature'].values() if t.startswith('*')}))
 
 
 def record(settings, cases, levels, recorder):
@@ -86,9 +89,8 @@ def analyse_variants(recorder):
             args, unmatched = S.memory_accesses(c['ttir'], c['ptx'])
             entry.update(registers=regs, spill_stores=spill_st, spill_loads=spill_ld, shared=c['shared'],
                          fp64_approx=S.fp64_approx(c['ptx']), unattributed_ptx=unmatched,
-                         access={n: {k: a[k] for k in ('elt', 'load', 'store', 'load_bytes', 'load_elems',
-                                                       'store_bytes', 'store_elems', 'single')}
-                                 for n, a in args.items()})
+                         access={n: {k: x for k, x in a.items() if x and k != 'itemsize'}  # what it has only
+                                 for n, a in args.items() if a['load'] or a['store'] or a['single']})
         out[key] = entry
     return out
 
@@ -100,58 +102,67 @@ def _launch_bytes(launch, variant):
     for name, t in launch['tensors'].items():
         if t['act'] and name in access:
             size = t['numel'] * t['itemsize']
-            read += size if access[name]['load'] else 0
-            written += size if access[name]['store'] else 0
+            read += size if access[name].get('load') else 0
+            written += size if access[name].get('store') else 0
     return read, written
 
 
 def summarize_step(step, variants):
+    """Per phase: Triton launches, ATen operators, activation bytes (multiple of x's) and each launch with
+    what it moves ('_dx_kernel R2 W1': reads 2x, writes 1x x's bytes); the training step's totals."""
     x_bytes = step['x_bytes']
     out = dict(x_layout=step['x_layout'], y_dtype=step['y_dtype'], y_layout=step['y_layout'],
                dx_layout=step['dx_layout'])
-    totals = {}
+
+    def moved(name, r, w):
+        return name + (f' R{r / x_bytes:g} W{w / x_bytes:g}' if r or w else '')
+
     for phase in ('forward', 'backward', 'eval'):
-        items, moved = [], 0
+        items, total = [], 0
         for launch in step[phase]['launches']:
             r, w = _launch_bytes(launch, variants[launch['key']])
-            moved += r + w
-            items.append(f"{launch['name']} R{r / x_bytes:.2f} W{w / x_bytes:.2f}")
+            total += r + w
+            items.append(moved(launch['name'], r, w))
         ops = [op for op in step[phase]['aten'] if op['op'] not in R._METADATA]
         for op in ops:
-            moved += op['read'] + op['written']
-            if op['read'] or op['written']:
-                items.append(f"aten.{op['op']} R{op['read'] / x_bytes:.2f} W{op['written'] / x_bytes:.2f}")
-        totals[phase] = (len(step[phase]['launches']), len(ops), moved)
-        out[phase] = dict(triton=len(step[phase]['launches']), aten=len(ops),
-                          aten_ops=[op['op'] for op in step[phase]['aten']],
-                          act_bytes_x=round(moved / x_bytes, 3), moves=items)
-    train = [sum(t[i] for p, t in totals.items() if p != 'eval') for i in range(3)]
-    out['train'] = dict(triton=train[0], aten=train[1], launches=train[0] + train[1],
-                        act_bytes_x=round(train[2] / x_bytes, 3))
+            total += op['read'] + op['written']
+            items.append(moved('aten.' + op['op'], op['read'], op['written']))
+        out[phase] = dict(triton=len(step[phase]['launches']), aten=len(ops), act_bytes_x=round(total / x_bytes, 3),
+                          launches=', '.join(items))
+    f, b = out['forward'], out['backward']
+    out['train'] = dict(triton=f['triton'] + b['triton'], aten=f['aten'] + b['aten'],
+                        launches=f['triton'] + b['triton'] + f['aten'] + b['aten'],
+                        act_bytes_x=round(f['act_bytes_x'] + b['act_bytes_x'], 3))
     return out
 
 
 def violations(steps, variants, fns):
     """{check: [violation]} of the summarized steps, the analysed variants and the kernels (JITFunctions)."""
     v = {name: [] for name in CHECKS}
+    per_level = collections.defaultdict(list)  # (check, case setting, message) -> levels: one line for all
     for s in steps:
-        where = f"{s['case']} {s['setting']} {s['level']}"
+        where = f"{s['case']} {s['setting']}"
         if not (s['forward']['triton'] and s['backward']['triton']):
-            v['recorded'].append(f'{where}: no Triton launch in forward or backward (the ATen path ran)')
+            why = 'no Triton launch in forward or backward (the ATen path ran)'
+            per_level[('recorded', where, why)].append(s['level'])
         t = s['train']
         if t['launches'] > MAX_LAUNCHES:
-            ops = s['forward']['aten_ops'] + s['backward']['aten_ops']
-            v['launches'].append(f"{where}: {t['launches']} launches ({t['triton']} Triton + {t['aten']} ATen"
-                                 f"{': ' + ', '.join(ops) if ops else ''})")
+            ops = collections.Counter(n for p in ('forward', 'backward') for n in s[p]['launches'].split(', ')
+                                      if n.startswith('aten.'))
+            aten = ', '.join(f'{n.split()[0]} x{k}' for n, k in ops.items())
+            per_level[('launches', where, f"{t['launches']} ({t['triton']} Triton + {t['aten']} ATen"
+                       f"{': ' + aten if aten else ''})")].append(s['level'])
         if t['act_bytes_x'] > MAX_ACT_BYTES:
-            moves = '; '.join(s['forward']['moves'] + s['backward']['moves'])
-            v['activation_bytes'].append(f"{where}: {t['act_bytes_x']:.2f}x ({moves})")
+            per_level[('activation_bytes', where, f"{t['act_bytes_x']:g}x ({s['forward']['launches']}; "
+                       f"{s['backward']['launches']})")].append(s['level'])
+    for (check, where, message), levels in per_level.items():
+        v[check].append(f"{where} {','.join(levels)}: {message}")
     for fn in sorted(fns, key=lambda f: f.fn.__qualname__):
         bad = S.specialized_sizes(fn)
         if bad:
             v['sizes_do_not_specialize'].append(f'{fn.fn.__module__}.{fn.fn.__name__}: {bad} not do_not_specialize')
     for e in variants.values():
-        label = f"{e['kernel']} {e['constexprs']} {sorted(set(e['pointers'].values()))}"
+        label = f"{e['kernel']} {e['constexprs']} {e['pointer_types']}"
         if not e['compiles']:
             v['compiles'].append(f"{label}: {e['error']}")
             continue
@@ -161,25 +172,29 @@ def violations(steps, variants, fns):
             v['spills'].append(f"{label}: {e['spill_stores']} B spill stores, {e['spill_loads']} B spill loads "
                                f"({e['registers']} registers)")
         if e['fp64_approx']:
-            v['fp64_approx'].append(f"{label}: {len(e['fp64_approx'])} x {sorted(set(i.split()[0] for i in e['fp64_approx']))}")
+            kinds = sorted({i.split()[0] for i in e['fp64_approx']})
+            v['fp64_approx'].append(f"{label}: {len(e['fp64_approx'])} x {kinds}")
         for name in e['activation_args']:
-            a = e['access'].get(name)
+            a = e['access'].get(name, {})
             for kind in ('load', 'store'):
-                if not a or not a[kind]:
+                if not a.get(kind):
                     continue
-                elems = a[f'{kind}_elems']
+                elems = a.get(f'{kind}_elems')
                 if elems is None:
                     v['vector_access'].append(f'{label}: {kind} of {name} matched to no PTX instruction')
                 elif elems <= 1:
-                    v['vector_access'].append(f"{label}: {kind} of {name} ({a['elt']}) {a[f'{kind}_bytes']} B = "
+                    v['vector_access'].append(f"{label}: {kind} of {name} ({a['elt']}) {a.get(f'{kind}_bytes')} B = "
                                               f"1 element per instruction")
         if e['activation_args'] and e['unattributed_ptx']:
-            v['vector_access'].append(f"{label}: global accesses matched to no TTIR access: {e['unattributed_ptx'][:3]}")
+            v['vector_access'].append(f"{label}: global accesses matched to no TTIR access: "
+                                      f"{e['unattributed_ptx'][:3]}")
     return v
 
 
 def build(settings=None, cases=None, levels=None, arch=90):
-    """The report (a JSON-able dict): settings, timing, variants, steps, violations."""
+    """The report (a JSON-able dict): settings, timing, variants, layers (per case and setting: [Triton launches,
+    ATen operators, activation bytes / x's] of the training step and the eval forward per level, and the
+    launch lists with the levels they hold at), violations."""
     import triton
     settings = settings or list(R.DTYPES) + list(R.EXTRA)
     cases = cases or sorted(R.layer_cases())
@@ -202,18 +217,30 @@ def build(settings=None, cases=None, levels=None, arch=90):
                     launches_recorded=len(recorder.launches), variants=len(variants),
                     variants_per_level={lv: len(by_level[lv]) for lv in levels},
                     variants_per_kernel=dict(collections.Counter(e['kernel'] for e in variants.values()))),
-        variants=sorted(variants.values(), key=lambda e: (e['kernel'], str(e['constexprs']), str(e['pointers']))),
-        steps=[dict(case=c, setting=s, level=lv, hw=R.LEVELS[lv], **summarize_step(st, variants))
-               for (c, s, lv), st in steps.items()])
-    report['violations'] = violations(report['steps'], variants, {v['fn'] for v in recorder.variants.values()})
+        variants=sorted(variants.values(), key=lambda e: (e['kernel'], str(e['constexprs']), str(e['pointer_types']))),
+        layers=[])
+    flat = [dict(case=c, setting=s, level=lv, **summarize_step(st, variants)) for (c, s, lv), st in steps.items()]
+    rows = {}
+    for st in flat:  # per layer case and setting: the numbers per level, each distinct launch list once
+        row = rows.setdefault((st['case'], st['setting']), dict(
+            case=st['case'], setting=st['setting'],
+            **{k: st[k] for k in ('x_layout', 'y_dtype', 'y_layout', 'dx_layout')},
+            levels={}, launches={}))
+        row['levels'][st['level']] = {p: [st[p]['triton'], st[p]['aten'], st[p]['act_bytes_x']]
+                                      for p in ('train', 'eval')}
+        for p in ('forward', 'backward', 'eval'):
+            row['launches'].setdefault(p, {}).setdefault(st[p]['launches'], []).append(st['level'])
+    report['layers'] = list(rows.values())
+    report['violations'] = violations(flat, variants, {v['fn'] for v in recorder.variants.values()})
     return report
 
 
 # --- markdown -----------------------------------------------------------------------------------------------
 def _elems(e, kind):
     """The narrowest block access of a variant's activation-sized arguments: 'B bytes (E el.)'."""
-    widths = [(e['access'][n][f'{kind}_bytes'], e['access'][n][f'{kind}_elems']) for n in e['activation_args']
-              if n in e.get('access', {}) and e['access'][n][kind] and e['access'][n][f'{kind}_bytes']]
+    access = e.get('access', {})
+    widths = [(access[n][f'{kind}_bytes'], access[n][f'{kind}_elems']) for n in e['activation_args']
+              if access.get(n, {}).get(f'{kind}_bytes')]
     if not widths:
         return '-'
     b, el = min(widths)
@@ -222,10 +249,12 @@ def _elems(e, kind):
 
 def markdown(report):
     t, s = report['timing'], report['settings']
+    per_level = ', '.join(f'{k} {n}' for k, n in t['variants_per_level'].items())
     lines = [f"sm_90 report: {s['n']} x {s['channels']} channels ({s['groups']} groups where grouped), FPN levels "
              f"{', '.join(f'{k} {h}x{w}' for k, (h, w) in s['levels'].items())}; triton {s['triton']}, torch "
              f"{s['torch']}. {t['steps']} steps recorded ({t['launches_recorded']} launches), {t['variants']} "
-             f"distinct variants compiled (per level: {t['variants_per_level']}).", '',
+             f"distinct variants compiled (per level: {per_level}: "
+             f"the sizes are do_not_specialize, so the levels share them).", '',
              '| check | violations | first |', '|---|---|---|']
     for name, what in CHECKS.items():
         found = report['violations'][name]
@@ -237,7 +266,7 @@ def markdown(report):
               '|---|---|---|---|---|---|---|---|']
     groups = collections.defaultdict(list)
     for e in report['variants']:
-        groups[(e['kernel'], ' '.join(sorted(set(e['pointers'].values()))))].append(e)
+        groups[(e['kernel'], ' '.join(e['pointer_types']))].append(e)
     for (kernel, types), es in sorted(groups.items()):
         ok = [e for e in es if e['compiles']]
         regs = sorted({e['registers'] for e in ok if e['registers'] is not None})
@@ -253,14 +282,16 @@ def markdown(report):
     lines += ['', 'Training step (forward + backward) per layer case and setting: launches (Triton + ATen) / '
               'activation bytes moved, as a multiple of x\'s bytes; eval forward launches.', '',
               '| case | setting | ' + ' | '.join(levels) + ' | eval |', '|---|---|' + '---|' * (len(levels) + 1)]
-    rows = collections.defaultdict(dict)
-    for st in report['steps']:
-        rows[(st['case'], st['setting'])][st['level']] = st
-    for (case, setting), by in rows.items():
+    for row in report['layers']:
         cells = []
         for lv in levels:
-            tr = by[lv]['train'] if lv in by else None
-            cells.append('' if tr is None else f"{tr['triton']}+{tr['aten']} / {tr['act_bytes_x']:.1f}x")
-        ev = {by[lv]['eval']['triton'] + by[lv]['eval']['aten'] for lv in levels if lv in by}
-        lines.append(f"| {case} | {setting} | " + ' | '.join(cells) + f" | {'/'.join(map(str, sorted(ev)))} |")
+            tr = row['levels'].get(lv, {}).get('train')
+            cells.append('' if tr is None else f'{tr[0]}+{tr[1]} / {tr[2]:.1f}x')
+        ev = sorted({e['eval'][0] + e['eval'][1] for e in row['levels'].values()})
+        lines.append(f"| {row['case']} | {row['setting']} | " + ' | '.join(cells) + f" | {'/'.join(map(str, ev))} |")
+    changed = sorted({(r['setting'], r['x_layout'], r['y_layout'], r['dx_layout']) for r in report['layers']
+                      if r['y_layout'] != r['x_layout'] or r['dx_layout'] != r['x_layout']})
+    for setting, x, y, dx in changed:
+        lines.append(f'\n{setting}: x {x}, y {y}, dx {dx}: the network converts them back after the layer '
+                     f'(not counted above).')
     return '\n'.join(lines) + '\n'

@@ -79,18 +79,19 @@ def test_accesses_traced_to_arguments_through_sibling_regions():
 def test_fp64_approximations_and_ptxas_lines():
     assert S.fp64_approx(PTX) == ['rsqrt.approx.f64 \t%fd2, %fd1;']
     log = ('ptxas info    : Used 40 registers, used 0 barriers, 380 bytes cmem[0]\n'
-           'ptxas info    : Function properties for k\n    8 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads')
+           'ptxas info    : Function properties for k\n'
+           '    8 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads')
     assert S.ptxas_resources(log) == (40, 8, 12)
 
 
 def _step(launches=6, act_bytes=6.0):
-    phase = dict(triton=3, aten=0, aten_ops=[], moves=[])
+    phase = dict(triton=3, aten=0, launches='k, k, k')
     return dict(case='c', setting='bf16', level='P2', forward=phase, backward=phase,
                 train=dict(triton=launches, aten=0, launches=launches, act_bytes_x=act_bytes))
 
 
 def _variant(**kw):
-    e = dict(kernel='k', constexprs={}, pointers={'x_ptr': 'bf16'}, compiles=True, error=None, registers=32,
+    e = dict(kernel='k', constexprs={}, pointer_types=['bf16'], compiles=True, error=None, registers=32,
              spill_stores=0, spill_loads=0, fp64_approx=[], activation_args=['x_ptr'], unattributed_ptx=[],
              access={'x_ptr': dict(elt='bf16', load=True, store=False, load_bytes=16, load_elems=8,
                                    store_bytes=None, store_elems=None, single=0)})
@@ -140,7 +141,8 @@ def _check(report, name):
 
 def test_report_covers_every_case_setting_and_level(report):
     s = report['settings']
-    assert len(report['steps']) == len(s['cases']) * len(s['settings']) * len(s['levels']) >= 14 * 7 * 6
+    assert len(report['layers']) == len(s['cases']) * len(s['settings']) >= 14 * 7
+    assert all(len(row['levels']) == len(s['levels']) == 6 for row in report['layers'])
     per_level = report['timing']['variants_per_level']
     assert report['timing']['variants'] <= 1.2 * max(per_level.values())  # the levels share their variants
 
