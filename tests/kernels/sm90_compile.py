@@ -21,6 +21,9 @@ Which argument an access touches, and how wide it is (``memory_accesses``):
      argument's own type: 1 element per instruction is a scalar access (``ld.global.b16`` of bf16).
 Whether an argument is activation-sized is the recorded launches' business (its element count).
 
+``calibrate`` runs this reading on two copy kernels compiled here (an aligned tile: 8 bf16 per instruction; a
+row at an unspecialized length: 1), so a parser that misreads widths fails the report rather than passing it.
+
 fp64 approximations (``fp64_approx``): a PTX instruction with ``.approx`` whose type is f64 or that takes an
 f64 register (%fd): ``rsqrt.approx.f64``, ``rcp.approx.ftz.f64``, ... (``tl.rsqrt`` on float64 lowers to
 the first; ``div.rn.f64`` / ``sqrt.rn.f64`` are exact)."""
@@ -267,3 +270,38 @@ def memory_accesses(ttir, ptx):
             b = info[f'{kind}_bytes']
             info[f'{kind}_elems'] = None if b is None or not info['itemsize'] else b / info['itemsize']
     return args, unmatched
+
+
+# --- calibration: the reading above on real compiler output ---------------------------------------------------
+def calibrate(target):
+    """Problems (an empty list when none) of the access analysis on two copy kernels compiled for ``target``:
+    a tile at a 16-byte-aligned offset must read as 8 bf16 per instruction, a row at an unspecialized row
+    length (``row * L``: alignment unknown) as 1. Guards the report against a parser that sees wrong widths."""
+    import triton
+    import triton.language as tl
+    from triton.compiler import ASTSource
+
+    @triton.jit
+    def _copy_tiles(x_ptr, y_ptr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs))
+
+    @triton.jit(do_not_specialize=['L'])
+    def _copy_rows(x_ptr, y_ptr, L, BLOCK: tl.constexpr):
+        cols = tl.arange(0, BLOCK)
+        offs = tl.program_id(0).to(tl.int64) * L + cols
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=cols < L), mask=cols < L)
+
+    aligned = {(0, ): [['tt.divisibility', 16]], (1, ): [['tt.divisibility', 16]]}
+    problems = []
+    for fn, signature, want in ((_copy_tiles, {'x_ptr': '*bf16', 'y_ptr': '*bf16', 'BLOCK': 'constexpr'}, 8),
+                                (_copy_rows, {'x_ptr': '*bf16', 'y_ptr': '*bf16', 'L': 'i32', 'BLOCK': 'constexpr'},
+                                 1)):
+        block = (len(signature) - 1, )
+        compiled = triton.compile(ASTSource(fn, signature, {block: 1024}, aligned), target=target)
+        args, unmatched = memory_accesses(compiled.asm['ttir'], compiled.asm['ptx'])
+        got = (args['x_ptr']['load_elems'], args['y_ptr']['store_elems'])
+        if got != (want, want) or unmatched:
+            problems.append(f'{fn.__name__}: read {got} elements per load/store, expected {want}; unmatched '
+                            f'{unmatched[:2]}')
+    return problems

@@ -27,6 +27,7 @@ from tests.kernels import sm90_record as R
 MAX_LAUNCHES = 6  # per training step (forward + backward), Triton and ATen together
 MAX_ACT_BYTES = 8.0  # activation bytes per training step, in multiples of x's bytes
 CHECKS = {
+    'calibration': 'the access analysis reads real compiler output right (an aligned and an unaligned copy)',
     'recorded': 'every step took the Triton path (launches in its forward and backward)',
     'compiles': 'every variant compiles for sm_90',
     'sizes_do_not_specialize': 'size arguments are do_not_specialize (a new size never recompiles)',
@@ -232,6 +233,8 @@ def build(settings=None, cases=None, levels=None, arch=90):
             row['launches'].setdefault(p, {}).setdefault(st[p]['launches'], []).append(st['level'])
     report['layers'] = list(rows.values())
     report['violations'] = violations(flat, variants, {v['fn'] for v in recorder.variants.values()})
+    report['violations']['calibration'] = S.calibrate(recorder.target)
+    report['violations'] = {name: report['violations'][name] for name in CHECKS}
     return report
 
 

@@ -84,9 +84,9 @@ def test_fp64_approximations_and_ptxas_lines():
     assert S.ptxas_resources(log) == (40, 8, 12)
 
 
-def _step(launches=6, act_bytes=6.0):
+def _step(launches=6, act_bytes=6.0, forward=3):
     phase = dict(triton=3, aten=0, launches='k, k, k')
-    return dict(case='c', setting='bf16', level='P2', forward=phase, backward=phase,
+    return dict(case='c', setting='bf16', level='P2', forward=dict(phase, triton=forward), backward=phase,
                 train=dict(triton=launches, aten=0, launches=launches, act_bytes_x=act_bytes))
 
 
@@ -107,6 +107,7 @@ def test_each_check_fails_on_a_planted_violation():
     scalar = _variant()
     scalar['access']['x_ptr'].update(load_bytes=2, load_elems=1)
     planted = {
+        'recorded': ([_step(forward=0)], {}, []),
         'launches': ([_step(launches=7)], {}, []),
         'activation_bytes': ([_step(act_bytes=8.5)], {}, []),
         'compiles': ([], {0: _variant(compiles=False, error='CompilationError: x')}, []),
@@ -118,6 +119,7 @@ def test_each_check_fails_on_a_planted_violation():
     for check, args in planted.items():
         found = M.violations(*args)
         assert [c for c, v in found.items() if v] == [check], (check, found)
+    assert set(planted) | {'calibration'} == set(M.CHECKS)  # the calibration: compiled by the report itself
 
 
 # --- the report at the FPN shapes -----------------------------------------------------------------------------
@@ -147,7 +149,7 @@ def test_report_covers_every_case_setting_and_level(report):
     assert report['timing']['variants'] <= 1.2 * max(per_level.values())  # the levels share their variants
 
 
-@pytest.mark.parametrize('check', ['recorded', 'compiles', 'sizes_do_not_specialize'])
+@pytest.mark.parametrize('check', ['calibration', 'recorded', 'compiles', 'sizes_do_not_specialize'])
 def test_every_variant_compiles_for_sm90(report, check):
     _check(report, check)
 
