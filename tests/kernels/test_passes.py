@@ -18,7 +18,8 @@ SPLITS = [('ncl', None, False), ('ncl', 1, False), ('ncl', 2, True), ('ncl', 3, 
           ('cl', None, False), ('cl', 3, True)]
 # small tiles on rows up to a few hundred positions (enough tiles per row; the interpreter stays quick)
 CASES = [(shape, *sp) for shape in SHAPES for sp in SPLITS if not (sp[2] and shape[2] > 500)]
-IDS = ['x'.join(map(str, shape)) + f'-{layout}-split{s}' + ('-small' if small else '') for shape, layout, s, small in CASES]
+IDS = ['x'.join(map(str, shape)) + f'-{layout}-split{s}' + ('-small' if small else '')
+       for shape, layout, s, small in CASES]
 TOL = {torch.float64: 1e-12, torch.float32: 2e-5}
 
 
@@ -242,7 +243,8 @@ def test_vector_variants(device):
                     x = laid_out(torch.empty(n, 256, hw, dtype=dtype, device='meta'), layout)
                     assert P.as_read(x) is x
                     plan = P._plan(x, x)
-                    assert (plan['V'], plan['SMALL'], plan['CL']) == (width, False, layout == 'cl'), (n, hw, layout)
+                    want = (width, False, layout == 'cl')
+                    assert (plan['V'], plan['SMALL'], plan['CL']) == want, (dtype, n, hw, layout)
     f32 = torch.float32
     assert P._plan(torch.empty(1, 8, 1, dtype=f32))['SMALL'] and P._plan(torch.empty(1, 8, 1, dtype=f32))['V'] == 4
     assert P._plan(torch.empty(2, 3, 1, dtype=f32))['V'] == 1  # 6 elements

@@ -18,7 +18,8 @@ def test_activation_access_is_16_byte_vectors_on_sm90(tmp_path):
                           capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     summary = out.strip().splitlines()[-1]
-    assert proc.returncode == 0, '\n'.join(line for line in out.splitlines() if line.startswith('BAD'))[-4000:] or out[-4000:]
+    bad = '\n'.join(line for line in out.splitlines() if line.startswith('BAD'))
+    assert proc.returncode == 0, bad[-4000:] or out[-4000:]
     assert summary.endswith('0 with a narrow activation access'), summary
     # the variants: moments, apply, sums, dx (x 2 batch) in both layouts, the merge; per dtype
     assert int(summary.split()[0]) >= 50, summary

@@ -111,7 +111,22 @@ def cases(quick=False):
     return out
 
 
-def check(variants, arch=90, verbose=True):
+def registers(ptx, arch):
+    """'R registers, S B spill stores' of ``ptx`` from Triton's bundled ptxas."""
+    import subprocess
+    import tempfile
+    ptxas = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin', 'ptxas')
+    with tempfile.NamedTemporaryFile('w', suffix='.ptx') as f:
+        f.write(ptx)
+        f.flush()
+        out = subprocess.run([ptxas, '-v', f'--gpu-name=sm_{arch}a' if arch == 90 else f'--gpu-name=sm_{arch}',
+                              f.name, '-o', os.devnull], capture_output=True, text=True).stderr
+    regs = re.search(r'Used (\d+) registers', out)
+    spills = re.search(r'(\d+) bytes spill stores', out)
+    return f'{regs.group(1) if regs else "?"} registers, {spills.group(1) if spills else "?"} B spill stores'
+
+
+def check(variants, arch=90, verbose=True, ptxas=False):
     """Compiles each variant; returns the lines of those with a narrow access of the activation."""
     target = GPUTarget('cuda', arch, 32)
     bad = []
@@ -127,10 +142,13 @@ def check(variants, arch=90, verbose=True):
         narrow = [a for a in found if a[1] < 128 and a[1] != tag_bits]
         counts = {}
         for op, bits, vec in found:
-            counts[f'{op}{bits}' + (f'(v{vec})' if vec > 1 else '')] = counts.get(f'{op}{bits}' + (f'(v{vec})' if vec > 1 else ''), 0) + 1
+            name = f'{op}{bits}' + (f'(v{vec})' if vec > 1 else '')
+            counts[name] = counts.get(name, 0) + 1
         short = {k: str(v) for k, v in constexprs.items() if k not in ('ACC',)}
         line = (f'{"BAD " if narrow else "ok  "} {name} {case[0]} {str(xdt)[6:]} dy {str(case[2])[6:]} '
                 f'y {str(case[3])[6:]} {short}: {counts} ({time.time() - start:.1f} s)')
+        if ptxas:
+            line += '; ' + registers(compiled.asm['ptx'], arch)
         if verbose:
             print(line, flush=True)
         if narrow:
@@ -141,9 +159,10 @@ def check(variants, arch=90, verbose=True):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--quick', action='store_true', help='two FPN levels: the variants, fewer shapes')
+    parser.add_argument('--ptxas', action='store_true', help="also each variant's registers and spills")
     args = parser.parse_args()
     variants = record(cases(args.quick))
-    bad = check(variants)
+    bad = check(variants, ptxas=args.ptxas)
     print(f'{len(variants)} variants, {len(bad)} with a narrow activation access')
     sys.exit(1 if bad else 0)
 
