@@ -1,13 +1,18 @@
 """The passes of the StatNorm engine over the activation, in Triton: per-(n, c) moments, the first-stage
-statistics, y = A (x - m) + B (or K act(A (x - m) + B) + L'), the backward's per-(n, c) sums and dx.
+statistics, y = A (x - m) + B (or K act(A (x - m) + B) + L'), the backward's per-(n, c) sums and dx. The
+kernels over the activation live in ``passes_fwd`` / ``passes_bwd``, where they read and write it with
+16-byte vectors (``passes_tiles``); this module holds their launchers and the statistics kernel.
 
-x is viewed as (R, L) rows, R = N * C, L positions. A pass runs on a grid of (rows, splits): each program
-takes one row and one chunk of CHUNK consecutive positions (a runtime integer, a multiple of BLOCK), loops
-over it in tiles of BLOCK, and loads x, dy in their own dtype, accumulating in float32 (float64 for float64
-inputs). Reductions write one partial per (split, row); the next kernel merges them in a fixed order
-(deterministic, no atomics). BLOCK depends on the dtype only, SPLIT is a grid size and the sizes are
+x3 (N, C, L) comes contiguous (NCL: R = N * C rows of L positions) or as a channels_last map viewed as
+(N, C, HW) (strides (C L, 1, C): read as it is, no copy; y and dx are written with x3's strides). A pass runs
+on a grid of (row groups, splits): each program takes its rows (NCL: one; CL: a block of channels of one
+sample) and a chunk of CHUNK consecutive positions (a runtime integer, a multiple of the tile), loops over it
+in tiles and loads x, dy in their own dtype, accumulating in float32 (float64 for float64 inputs).
+Reductions write one partial per (split, row); the next kernel merges them in a fixed order (deterministic,
+no atomics). The tiles depend on the dtype (and CL's on C), SPLIT is a grid size and the sizes are
 ``do_not_specialize`` (no variant for a size divisible by 16 or equal to 1): a new image size or batch
-size never recompiles a kernel.
+size never recompiles a kernel. The constexpr variants: layout (NCL / CL), vector width V (16 bytes, or 1
+when the flat size (NCL) or C (CL) is not a multiple of it) and SMALL (NCL, L < V).
 
 Launches per training step of a layer: forward moments, stats, the layer's coefficients, apply (4);
 backward sums, [merge of the sums when split], the layer's coefficient VJP, dx (3-4): at most 8.
@@ -20,8 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .activations import act_forward, act_grad
 from .aten import STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, STATS_NONE  # noqa: F401  (the stats modes)
+from .passes_bwd import _dx_kernel, _merge_kernel, _sums_kernel
+from .passes_fwd import _apply_kernel, _moments_kernel
+from .passes_tiles import cl_blocks, vector_width
 from .scalars import from_hi_lo, hi_lo
 
 ACT_NONE = -1  # y = A t + B, no activation
@@ -48,55 +55,61 @@ def split_for(rows: int, length: int, block: int):
     return triton.cdiv(length, chunk), chunk
 
 
-def layout(x3: torch.Tensor):
-    """(BLOCK, SPLIT, CHUNK) of every pass over x3 (N, C, L)."""
+def channels_last(x3: torch.Tensor) -> bool:
+    """x3 (N, C, L) is a channels_last map viewed as (N, C, HW) (and not also contiguous)."""
+    return not x3.is_contiguous() and x3.transpose(1, 2).is_contiguous()
+
+
+def as_read(x3: torch.Tensor) -> torch.Tensor:
+    """x3 itself when the passes read its layout (NCL or CL), else a contiguous copy."""
+    return x3 if x3.is_contiguous() or channels_last(x3) else x3.contiguous()
+
+
+def like(t: torch.Tensor, x3: torch.Tensor) -> torch.Tensor:
+    """t (x3's shape) in x3's layout: dy as the passes read it alongside x3 (a copy only if it differs)."""
+    if channels_last(x3):
+        return t if channels_last(t) or t.transpose(1, 2).is_contiguous() else \
+            t.transpose(1, 2).contiguous().transpose(1, 2)
+    return t.contiguous()
+
+
+def _plan(x3: torch.Tensor, *others):
+    """Launch geometry of a pass over x3 (read layout) with the activation tensors ``others`` (dy, y):
+    dict(grid, CHUNK and the constexprs BLOCK, BLOCK_C, V, CL[, SMALL])."""
+    n, c, length = x3.shape
+    vec = vector_width(x3, *others)
+    if channels_last(x3):
+        block_c, block = cl_blocks(c, x3.element_size())
+        groups = n * triton.cdiv(c, block_c)
+        split, chunk = split_for(groups, length, block)
+        return dict(grid=(groups, split), CHUNK=chunk, BLOCK=block, BLOCK_C=block_c,
+                    V=vec if c % vec == 0 else 1, CL=True, SMALL=False)
     block = block_for(x3.dtype)
-    return (block, ) + split_for(x3.shape[0] * x3.shape[1], x3.shape[2], block)
+    split, chunk = split_for(n * c, length, block)
+    vec = vec if (n * c * length) % vec == 0 else 1
+    return dict(grid=(n * c, split), CHUNK=chunk, BLOCK=block, BLOCK_C=1, V=vec, CL=False, SMALL=length < vec)
+
+
+def layout(x3: torch.Tensor):
+    """(BLOCK, SPLIT, CHUNK) of every pass over x3 (N, C, L): positions per tile, chunks per row, positions
+    per chunk."""
+    plan = _plan(as_read(x3))
+    return plan['BLOCK'], plan['grid'][1], plan['CHUNK']
 
 
 # --- forward ------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=['ROWS', 'L', 'CHUNK'])
-def _moments_kernel(x_ptr, part_ptr, ROWS, L, CHUNK, BLOCK: tl.constexpr, ACC: tl.constexpr):
-    row = tl.program_id(0)
-    s = tl.program_id(1)
-    start = s * CHUNK
-    end = tl.minimum(start + CHUNK, L)
-    base = x_ptr + row.to(tl.int64) * L
-    cols = tl.arange(0, BLOCK)
-    # shifted by the row's first value: a constant row has exactly m = x, v = 0 (as ATen's Welford kernels)
-    shift = tl.load(base).to(ACC)
-    cnt = tl.zeros([], ACC)
-    mean = tl.zeros([], ACC)
-    m2 = tl.zeros([], ACC)
-    for off in range(start, end, BLOCK):
-        idx = off + cols
-        mask = idx < end
-        xv = tl.where(mask, tl.load(base + idx, mask=mask, other=0.0).to(ACC) - shift, 0.0)
-        nb = tl.minimum(end - off, BLOCK).to(ACC)
-        bmean = tl.sum(xv, 0) / nb
-        d = tl.where(mask, xv - bmean, 0.0)
-        bm2 = tl.sum(d * d, 0)
-        tot = cnt + nb
-        delta = bmean - mean
-        mean = mean + delta * (nb / tot)
-        m2 = m2 + bm2 + delta * delta * (cnt * nb / tot)
-        cnt = tot
-    out = part_ptr + s.to(tl.int64) * 2 * ROWS + row
-    tl.store(out, mean + shift)
-    tl.store(out + ROWS, m2)
-
-
 def moment_partials(x3: torch.Tensor):
     """(partials (SPLIT, 2, N*C): each chunk's mean and centred sum of squares; SPLIT; CHUNK) of x3 (N, C, L)."""
+    x3 = as_read(x3)
     n, c, length = x3.shape
     rows = n * c
-    block, split, chunk = layout(x3)
+    plan = _plan(x3)
     acc = torch.float64 if x3.dtype == torch.float64 else torch.float32
+    split = plan['grid'][1]
     part = torch.empty(split, 2, rows, dtype=acc, device=x3.device)
-    _moments_kernel[(rows, split)](x3, part, rows, length, chunk, BLOCK=block, ACC=acc_dtype(x3.dtype))
-    return part, split, chunk
-
-
+    _moments_kernel[plan['grid']](x3, part, rows, c, length, plan['CHUNK'], BLOCK=plan['BLOCK'],
+                                  BLOCK_C=plan['BLOCK_C'], V=plan['V'], CL=plan['CL'], ACC=acc_dtype(x3.dtype))
+    return part, split, plan['CHUNK']
 
 
 @triton.jit(do_not_specialize=['N', 'C', 'L', 'CHUNK', 'SPLIT', 'WRITE'])
@@ -226,140 +239,48 @@ def stats(part, split, chunk, shape, mode=STATS_NONE, stat_mean=None, stat_var=N
     return m, v, mean, var, moved, upd
 
 
-@triton.jit(do_not_specialize=['C', 'L', 'CHUNK', 'WRITE', 'INC'])
-def _apply_kernel(x_ptr, y_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, l_ptr, upd_ptr, rm_ptr, rv_ptr, nbt_ptr,
-                  C, L, CHUNK, WRITE, INC, p0h, p0l, p1h, p1l, ACT: tl.constexpr, BLOCK: tl.constexpr,
-                  ACC: tl.constexpr):
-    """y = A (x - m) + B, or K act(A (x - m) + B) + L', written once in y's dtype; A = 0 where v = 0 (a
-    constant row: x - m is 0 or the rounding of m). The forward's side effects, last: WRITE: programs
-    (c < C, 0) copy upd[:, c] into the running (mean, var); INC: program (0, 0) adds 1 to
-    num_batches_tracked."""
-    row = tl.program_id(0)
-    s = tl.program_id(1)
-    start = s * CHUNK
-    end = tl.minimum(start + CHUNK, L)
-    m = tl.load(m_ptr + row).to(ACC)
-    a = tl.where(tl.load(v_ptr + row) > 0, tl.load(a_ptr + row).to(ACC), 0.0)
-    b = tl.load(b_ptr + row).to(ACC)
-    p0 = from_hi_lo(p0h, p0l, ACC)
-    p1 = from_hi_lo(p1h, p1l, ACC)
-    if ACT >= 0:
-        kk = tl.load(k_ptr + row).to(ACC)
-        ll = tl.load(l_ptr + row).to(ACC)
-    offs = row.to(tl.int64) * L
-    cols = tl.arange(0, BLOCK)
-    for off in range(start, end, BLOCK):
-        idx = off + cols
-        mask = idx < end
-        xv = tl.load(x_ptr + offs + idx, mask=mask, other=0.0).to(ACC)
-        y = a * (xv - m) + b
-        if ACT >= 0:
-            y = kk * act_forward(y, ACT, p0, p1) + ll
-        tl.store(y_ptr + offs + idx, y.to(y_ptr.dtype.element_ty), mask=mask)
-    if s == 0:
-        if WRITE != 0:
-            if row < C:
-                tl.store(rm_ptr + row, tl.load(upd_ptr + row).to(rm_ptr.dtype.element_ty))
-                tl.store(rv_ptr + row, tl.load(upd_ptr + C + row).to(rv_ptr.dtype.element_ty))
-        if INC != 0:
-            if row == 0:
-                tl.store(nbt_ptr, tl.load(nbt_ptr) + 1)
-
-
 def _act(act):
     return (ACT_NONE, 0.0, 0.0) if act is None else act
 
 
 def apply(x3, m, v, coeffs, act=None, out_dtype=None, write=None, nbt=None):
-    """y (N, C, L) of x3 with the per-(n, c) coefficients (A, B[, K, L']); ``act`` (id, p0, p1) from
-    :func:`normdense.kernels.activations.act_args` or None; ``write`` = (upd, running_mean, running_var): the
-    new values to copy into the buffers; ``nbt``: a num_batches_tracked to add 1 to."""
+    """y (N, C, L) of x3 with the per-(n, c) coefficients (A, B[, K, L']), in x3's layout (NCL or
+    channels_last); ``act`` (id, p0, p1) from :func:`normdense.kernels.activations.act_args` or None;
+    ``write`` = (upd, running_mean, running_var): the new values to copy into the buffers; ``nbt``: a
+    num_batches_tracked to add 1 to."""
+    x3 = as_read(x3)
     n, c, length = x3.shape
     act_id, p0, p1 = _act(act)
-    y = torch.empty(x3.shape, dtype=out_dtype or x3.dtype, device=x3.device)
-    block, split, chunk = layout(x3)
+    y = torch.empty_like(x3, dtype=out_dtype or x3.dtype)
+    plan = _plan(x3, y)
     a, b = coeffs[0], coeffs[1]
     k, l_ = (coeffs[2], coeffs[3]) if act_id >= 0 else (a, b)
     upd, rm, rv = write if write is not None else (m, m, m)
-    _apply_kernel[(n * c, split)](x3, y, m, v, a, b, k, l_, upd, rm, rv, m if nbt is None else nbt, c, length,
-                                  chunk, int(write is not None), int(nbt is not None), *hi_lo(p0), *hi_lo(p1),
-                                  ACT=act_id, BLOCK=block, ACC=acc_dtype(x3.dtype))
+    _apply_kernel[plan['grid']](x3, y, m, v, a, b, k, l_, upd, rm, rv, m if nbt is None else nbt, c, length,
+                                plan['CHUNK'], int(write is not None), int(nbt is not None), *hi_lo(p0),
+                                *hi_lo(p1), ACT=act_id, BLOCK=plan['BLOCK'], BLOCK_C=plan['BLOCK_C'],
+                                V=plan['V'], SMALL=plan['SMALL'], CL=plan['CL'], ACC=acc_dtype(x3.dtype))
     return y
 
 
 # --- backward -----------------------------------------------------------------------------------------------
-@triton.jit
-def _t_and_dy(x_ptr, dy_ptr, offs, idx, end, m, ACC: tl.constexpr):
-    """A tile of a row of the backward passes: (mask, t = x - m, dy), accumulated in ACC."""
-    mask = idx < end
-    t = tl.load(x_ptr + offs + idx, mask=mask, other=0.0).to(ACC) - m
-    return mask, t, tl.load(dy_ptr + offs + idx, mask=mask, other=0.0).to(ACC)
-
-
-@triton.jit(do_not_specialize=['ROWS', 'L', 'CHUNK'])
-def _sums_kernel(x_ptr, dy_ptr, part_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, ROWS, L, CHUNK, p0h, p0l, p1h,
-                 p1l, ACT: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr):
-    """Partial sums per (split, row) of g t and g (t = x - m, g = dy), and with an activation of g t, g,
-    dy act(z), dy with z = A t + B recomputed from x and g = K dy act'(z): the gradients of the coefficients
-    (A, B[, K, L'])."""
-    row = tl.program_id(0)
-    s = tl.program_id(1)
-    start = s * CHUNK
-    end = tl.minimum(start + CHUNK, L)
-    m = tl.load(m_ptr + row).to(ACC)
-    p0 = from_hi_lo(p0h, p0l, ACC)
-    p1 = from_hi_lo(p1h, p1l, ACC)
-    offs = row.to(tl.int64) * L
-    cols = tl.arange(0, BLOCK)
-    s0 = tl.zeros([BLOCK], ACC)
-    s1 = tl.zeros([BLOCK], ACC)
-    s2 = tl.zeros([BLOCK], ACC)
-    s3 = tl.zeros([BLOCK], ACC)
-    if ACT >= 0:
-        a = tl.where(tl.load(v_ptr + row) > 0, tl.load(a_ptr + row).to(ACC), 0.0)
-        b = tl.load(b_ptr + row).to(ACC)
-        kk = tl.load(k_ptr + row).to(ACC)
-    for off in range(start, end, BLOCK):
-        idx = off + cols
-        mask, t, g = _t_and_dy(x_ptr, dy_ptr, offs, idx, end, m, ACC)
-        if ACT >= 0:
-            z = a * t + b
-            s2 += g * act_forward(z, ACT, p0, p1)
-            s3 += g
-            g = kk * g * act_grad(z, ACT, p0, p1)
-        s0 += tl.where(mask, g * t, 0.0)
-        s1 += g
-    out = part_ptr + s.to(tl.int64) * (4 if ACT >= 0 else 2) * ROWS + row
-    tl.store(out, tl.sum(s0, 0))
-    tl.store(out + ROWS, tl.sum(s1, 0))
-    if ACT >= 0:
-        tl.store(out + 2 * ROWS, tl.sum(s2, 0))
-        tl.store(out + 3 * ROWS, tl.sum(s3, 0))
-
-
-@triton.jit(do_not_specialize=['SIZE', 'SPLIT'])
-def _merge_kernel(part_ptr, out_ptr, SIZE, SPLIT, BLOCK: tl.constexpr):
-    """out[i] = sum over the splits of part[s, i], in order (deterministic)."""
-    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = idx < SIZE
-    acc = tl.load(part_ptr + idx, mask=mask, other=0.0)
-    for s in range(1, SPLIT):
-        acc += tl.load(part_ptr + s * SIZE + idx, mask=mask, other=0.0)
-    tl.store(out_ptr + idx, acc, mask=mask)
-
-
 def sums(x3, dy, m, v, coeffs, act=None):
     """The gradients of the coefficients: [sum_l g t, sum_l g] (and sum_l dy act(z), sum_l dy with an
-    activation), each (N, C) in the coefficients' dtype; a merge launch only when rows are split."""
+    activation), each (N, C) in the coefficients' dtype; a merge launch only when rows are split. dy in any
+    floating dtype, in x3's layout (else copied into it)."""
+    x3 = as_read(x3)
+    dy = like(dy, x3)
     n, c, length = x3.shape
     act_id, p0, p1 = _act(act)
     count = 2 if act_id < 0 else 4
-    block, split, chunk = layout(x3)
+    plan = _plan(x3, dy)
+    split = plan['grid'][1]
     part = torch.empty(split, count, n * c, dtype=m.dtype, device=x3.device)
     a, b = coeffs[0], coeffs[1]
     k = coeffs[2] if act_id >= 0 else a
-    _sums_kernel[(n * c, split)](x3, dy, part, m, v, a, b, k, n * c, length, chunk, *hi_lo(p0), *hi_lo(p1),
-                                 ACT=act_id, BLOCK=block, ACC=acc_dtype(x3.dtype))
+    _sums_kernel[plan['grid']](x3, dy, part, m, v, a, b, k, n * c, c, length, plan['CHUNK'], *hi_lo(p0),
+                               *hi_lo(p1), ACT=act_id, BLOCK=plan['BLOCK'], BLOCK_C=plan['BLOCK_C'], V=plan['V'],
+                               CL=plan['CL'], ACC=acc_dtype(x3.dtype))
     if split > 1:
         out = torch.empty(count, n * c, dtype=m.dtype, device=x3.device)
         size = count * n * c
@@ -369,61 +290,21 @@ def sums(x3, dy, m, v, coeffs, act=None):
     return [t.view(n, c) for t in out.unbind(0)]
 
 
-@triton.jit(do_not_specialize=['C', 'L', 'CHUNK'])
-def _dx_kernel(x_ptr, dy_ptr, dx_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr, dv_ptr, gsum_ptr, mean_ptr,
-               dmean_ptr, dvar_ptr, C, L, CHUNK, sc_h, sc_l, p0h, p0l, p1h, p1l, ACT: tl.constexpr, BATCH: tl.constexpr,
-               BLOCK: tl.constexpr, ACC: tl.constexpr):
-    """dx = A g + c1 t + c0 with c0 = (dm - A sum_l g) / L, c1 = 2 dv / L (0 where v = 0), g = dy (g = K dy
-    act'(z) with an activation); BATCH: dm, dv first take the VJP of the batch statistics (mean, var over
-    the samples, ``scale`` = 1 / N) for the per-channel gradients dmean, dvar."""
-    row = tl.program_id(0)
-    s = tl.program_id(1)
-    start = s * CHUNK
-    end = tl.minimum(start + CHUNK, L)
-    Lf = L.to(ACC)
-    scale = from_hi_lo(sc_h, sc_l, ACC)
-    p0 = from_hi_lo(p0h, p0l, ACC)
-    p1 = from_hi_lo(p1h, p1l, ACC)
-    m = tl.load(m_ptr + row).to(ACC)
-    live = tl.load(v_ptr + row) > 0
-    a = tl.where(live, tl.load(a_ptr + row).to(ACC), 0.0)
-    dm = tl.load(dm_ptr + row).to(ACC)
-    dv = tl.load(dv_ptr + row).to(ACC)
-    if BATCH:
-        c = row % C
-        dvar = tl.load(dvar_ptr + c).to(ACC)
-        dm = dm + scale * tl.load(dmean_ptr + c).to(ACC) + 2.0 * scale * (m - tl.load(mean_ptr + c).to(ACC)) * dvar
-        dv = dv + scale * dvar
-    a_full = tl.load(a_ptr + row).to(ACC)
-    c0 = (dm - a_full * tl.load(gsum_ptr + row).to(ACC)) / Lf
-    c1 = tl.where(live, 2.0 * dv / Lf, 0.0)
-    if ACT >= 0:
-        b = tl.load(b_ptr + row).to(ACC)
-        kk = tl.load(k_ptr + row).to(ACC)
-        scale_g = a_full * kk
-    offs = row.to(tl.int64) * L
-    cols = tl.arange(0, BLOCK)
-    for off in range(start, end, BLOCK):
-        idx = off + cols
-        mask, t, g = _t_and_dy(x_ptr, dy_ptr, offs, idx, end, m, ACC)
-        if ACT >= 0:
-            dx = scale_g * (g * act_grad(a * t + b, ACT, p0, p1)) + c1 * t + c0
-        else:
-            dx = a_full * g + c1 * t + c0
-        tl.store(dx_ptr + offs + idx, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-
-
 def dx(x3, dy, m, v, coeffs, dm, dv, gsum, act=None, batch=None):
-    """dx (x3's shape and dtype) from the coefficients' VJP (dm, dv) and sum_l g (``gsum``); ``batch`` =
-    (mean, dmean, dvar, 1 / N) adds the VJP of the (unsynchronized) batch statistics."""
+    """dx (x3's shape, dtype and layout) from the coefficients' VJP (dm, dv) and sum_l g (``gsum``); ``batch``
+    = (mean, dmean, dvar, 1 / N) adds the VJP of the (unsynchronized) batch statistics. dy as for
+    :func:`sums`."""
+    x3 = as_read(x3)
+    dy = like(dy, x3)
     n, c, length = x3.shape
     act_id, p0, p1 = _act(act)
     out = torch.empty_like(x3)
-    block, split, chunk = layout(x3)
+    plan = _plan(x3, dy)
     a, b = coeffs[0], coeffs[1]
     k = coeffs[2] if act_id >= 0 else a
     mean, dmean, dvar, scale = batch if batch is not None else (m, m, m, 0.0)
-    _dx_kernel[(n * c, split)](x3, dy, out, m, v, a, b, k, dm, dv, gsum, mean, dmean, dvar, c, length, chunk,
-                               *hi_lo(scale), *hi_lo(p0), *hi_lo(p1), ACT=act_id, BATCH=batch is not None,
-                               BLOCK=block, ACC=acc_dtype(x3.dtype))
+    _dx_kernel[plan['grid']](x3, dy, out, m, v, a, b, k, dm, dv, gsum, mean, dmean, dvar, c, length,
+                             plan['CHUNK'], *hi_lo(scale), *hi_lo(p0), *hi_lo(p1), ACT=act_id,
+                             BATCH=batch is not None, BLOCK=plan['BLOCK'], BLOCK_C=plan['BLOCK_C'], V=plan['V'],
+                             SMALL=plan['SMALL'], CL=plan['CL'], ACC=acc_dtype(x3.dtype))
     return out
