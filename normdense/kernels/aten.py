@@ -219,6 +219,15 @@ class AtenBackend:
         return m, v, mean, var, moved, upd
 
     @staticmethod
+    def layout(x3):
+        return x3.contiguous()  # the row kernels take (N, C, L) rows: channels_last is copied
+
+    @staticmethod
+    def grad_layout(dy, x3):
+        """dy as the passes take it: x3's dtype, contiguous."""
+        return (dy if dy.dtype == x3.dtype else dy.to(x3.dtype)).contiguous()
+
+    @staticmethod
     def plan_stats(part, shape, *args, **kwargs):
         """(:meth:`stats`'s outputs, None): computed now (there is no coefficient kernel to fold them into)."""
         return AtenBackend.stats(part, shape, *args, **kwargs), None

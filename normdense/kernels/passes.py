@@ -26,10 +26,11 @@ import triton
 import triton.language as tl
 
 from .aten import STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, STATS_NONE  # noqa: F401  (the stats modes)
+from .first_stage import _stats_kernel, stats  # noqa: F401  (the first stage: its own file, shared with the maps)
 from .passes_bwd import _dx_kernel, _merge_kernel, _sums_kernel
 from .passes_fwd import _apply_kernel, _moments_kernel
 from .passes_tiles import cl_blocks, vector_width
-from .scalars import from_hi_lo, hi_lo
+from .scalars import hi_lo
 
 ACT_NONE = -1  # y = A t + B, no activation
 
@@ -110,133 +111,6 @@ def moment_partials(x3: torch.Tensor):
     _moments_kernel[plan['grid']](x3, part, rows, c, length, plan['CHUNK'], BLOCK=plan['BLOCK'],
                                   BLOCK_C=plan['BLOCK_C'], V=plan['V'], CL=plan['CL'], ACC=acc_dtype(x3.dtype))
     return part, split, plan['CHUNK']
-
-
-@triton.jit(do_not_specialize=['N', 'C', 'L', 'CHUNK', 'SPLIT', 'WRITE'])
-def _stats_kernel(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat_var_ptr, base_ptr,
-                  moved_ptr, upd_ptr, nbt_ptr, N, C, L, CHUNK, SPLIT, rate_hi, rate_lo, mom_hi, mom_lo, WRITE,
-                  MODE: tl.constexpr, CUMULATIVE: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):
-    """Merges the chunks' moments into m, v (N, C) and, by MODE, the per-channel statistics (C,) that the
-    coefficients take:
-      FIXED: mean, var copied from stat_mean / stat_var (eval: the running statistics);
-      ESTIMATE: Algorithm 1 steps 1-4 of arXiv:1903.10520 from the estimates at the iteration's start
-        (stat_* when WRITE, which then also copies them to base; else base): the batch mean and the second
-        moment around the estimate (moved, (2, C)), the estimates moved by ``rate`` towards them (mean, var);
-        WRITE: the running estimates' new values (upd, (2, C)) are them;
-      BATCH: the batch mean and biased variance (mean, var); WRITE: the running statistics' new values (upd):
-        tracked with the unbiased variance, ``momentum`` or the cumulative 1 / (num_batches_tracked + 1).
-    Nothing of the module's state is written here: the apply kernel, the forward's last, copies upd into the
-    buffers and counts num_batches_tracked, so a kernel failing to compile leaves the state as it was (and
-    num_batches_tracked is not written while other programs read it)."""
-    pid = tl.program_id(0)
-    ch = pid * BLOCK_C + tl.arange(0, BLOCK_C)
-    cm = ch < C
-    ROWS = N * C
-    Lf = L.to(ACC)
-    rate = from_hi_lo(rate_hi, rate_lo, ACC)
-    if MODE == 2:
-        bm = tl.load(stat_mean_ptr + ch, mask=cm, other=0.0).to(ACC)
-        bv = tl.load(stat_var_ptr + ch, mask=cm, other=0.0).to(ACC)
-        if WRITE == 0:
-            bm = tl.load(base_ptr + ch, mask=cm, other=0.0).to(ACC)
-            bv = tl.load(base_ptr + C + ch, mask=cm, other=0.0).to(ACC)
-    else:
-        bm = tl.zeros([BLOCK_C], ACC)
-        bv = tl.zeros([BLOCK_C], ACC)
-    k = tl.zeros([BLOCK_C], ACC)  # batch statistics: Chan's merge over samples
-    bmean = tl.zeros([BLOCK_C], ACC)
-    bm2 = tl.zeros([BLOCK_C], ACC)
-    for n in range(0, N):
-        row = n * C + ch
-        cnt = tl.zeros([BLOCK_C], ACC)
-        mean = tl.zeros([BLOCK_C], ACC)
-        m2 = tl.zeros([BLOCK_C], ACC)
-        for s in range(0, SPLIT):
-            nb = tl.minimum(L - s * CHUNK, CHUNK).to(ACC)
-            pm = tl.load(part_ptr + s * 2 * ROWS + row, mask=cm, other=0.0)
-            pm2 = tl.load(part_ptr + (s * 2 + 1) * ROWS + row, mask=cm, other=0.0)
-            tot = cnt + nb
-            delta = pm - mean
-            mean = mean + delta * (nb / tot)
-            m2 = m2 + pm2 + delta * delta * (cnt * nb / tot)
-            cnt = tot
-        var = m2 / Lf
-        tl.store(m_ptr + row, mean, mask=cm)
-        tl.store(v_ptr + row, var, mask=cm)
-        if MODE == 2:  # sums of m and of v + (m - estimate)^2
-            d = mean - bm
-            bmean += mean
-            bm2 += var + d * d
-        if MODE == 3:
-            tot = k + Lf
-            delta = mean - bmean
-            bmean = bmean + delta * (Lf / tot)
-            bm2 = bm2 + m2 + delta * delta * (k * Lf / tot)
-            k = tot
-    if MODE == 1:
-        tl.store(mean_ptr + ch, tl.load(stat_mean_ptr + ch, mask=cm, other=0.0).to(ACC), mask=cm)
-        tl.store(var_ptr + ch, tl.load(stat_var_ptr + ch, mask=cm, other=0.0).to(ACC), mask=cm)
-    if MODE == 2:
-        bmean = bmean / N
-        bm2 = bm2 / N
-        tl.store(moved_ptr + ch, bmean, mask=cm)
-        tl.store(moved_ptr + C + ch, bm2, mask=cm)
-        em = bm + rate * (bmean - bm)
-        ev = bv + rate * (bm2 - bv)
-        tl.store(mean_ptr + ch, em, mask=cm)
-        tl.store(var_ptr + ch, ev, mask=cm)
-        if WRITE != 0:
-            tl.store(base_ptr + ch, bm, mask=cm)
-            tl.store(base_ptr + C + ch, bv, mask=cm)
-            tl.store(upd_ptr + ch, em, mask=cm)
-            tl.store(upd_ptr + C + ch, ev, mask=cm)
-    if MODE == 3:
-        var = bm2 / k
-        tl.store(mean_ptr + ch, bmean, mask=cm)
-        tl.store(var_ptr + ch, var, mask=cm)
-        if WRITE != 0:
-            rm = tl.load(stat_mean_ptr + ch, mask=cm, other=0.0).to(ACC)
-            rv = tl.load(stat_var_ptr + ch, mask=cm, other=0.0).to(ACC)
-            unbiased = var * (k / (k - 1.0))
-            if CUMULATIVE:  # divided, not multiplied by 1 / count: a float32 literal 1.0 would round it
-                tracked = (tl.load(nbt_ptr) + 1).to(ACC)
-                tl.store(upd_ptr + ch, rm + (bmean - rm) / tracked, mask=cm)
-                tl.store(upd_ptr + C + ch, rv + (unbiased - rv) / tracked, mask=cm)
-            else:
-                w = from_hi_lo(mom_hi, mom_lo, ACC)
-                tl.store(upd_ptr + ch, rm + w * (bmean - rm), mask=cm)
-                tl.store(upd_ptr + C + ch, rv + w * (unbiased - rv), mask=cm)
-
-
-def stats(part, split, chunk, shape, mode=STATS_NONE, stat_mean=None, stat_var=None, base=None, rate=0.0,
-          momentum=0.1, write=False, nbt=None):
-    """Merge the moment partials of x (N, C, L) = ``shape``: returns (m, v, mean, var, moved, upd) with m, v
-    (N, C) and, by ``mode`` (see :func:`_stats_kernel`), mean, var (C,), for STATS_ESTIMATE ``moved`` (2, C):
-    the batch mean and second moment around the estimates, and with ``write`` ``upd`` (2, C): the new values of
-    (stat_mean, stat_var) for :func:`apply` to write. ``base`` (2, C): the iteration's starting estimates
-    (written when ``write``, else read). STATS_BATCH with ``momentum`` None needs ``nbt``."""
-    n, c, length = shape
-    dt = part.dtype
-    m = torch.empty(n, c, dtype=dt, device=part.device)
-    v = torch.empty(n, c, dtype=dt, device=part.device)
-    mean = var = moved = None
-    dummy = m
-    if mode != STATS_NONE:
-        mean = torch.empty(c, dtype=dt, device=part.device)
-        var = torch.empty(c, dtype=dt, device=part.device)
-    if mode == STATS_ESTIMATE:
-        moved = torch.empty(2, c, dtype=dt, device=part.device)
-    upd = torch.empty(2, c, dtype=dt, device=part.device) if write else None
-    cumulative = mode == STATS_BATCH and momentum is None
-    block_c = min(triton.next_power_of_2(max(c, 1)), 128)
-    grid = (triton.cdiv(c, block_c), )
-    _stats_kernel[grid](part, m, v, dummy if mean is None else mean, dummy if var is None else var,
-                        dummy if stat_mean is None else stat_mean, dummy if stat_var is None else stat_var,
-                        dummy if base is None else base, dummy if moved is None else moved,
-                        dummy if upd is None else upd, dummy if nbt is None else nbt, n, c, length, chunk, split,
-                        *hi_lo(rate), *hi_lo(0.0 if momentum is None else momentum), int(bool(write)),
-                        MODE=mode, CUMULATIVE=cumulative, BLOCK_C=block_c, ACC=acc_dtype(dt))
-    return m, v, mean, var, moved, upd
 
 
 def _act(act):

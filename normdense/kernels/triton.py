@@ -18,7 +18,7 @@ def _act(act):
 
 
 class TritonBackend:
-    name = 'triton'  # x3 and dy come contiguous (the engine makes them so for this backend)
+    name = 'triton'  # x3 in one of the layouts of layout(), dy in x3's
     FOLD_STATS = False  # the layers' map kernels run the first stage (first_stage.channel_stats) themselves
 
     @staticmethod
@@ -37,6 +37,16 @@ class TritonBackend:
         partials, split, chunk = part
         return P.stats(partials, split, chunk, shape, mode, stat_mean, stat_var, base, rate=rate,
                        momentum=momentum, write=write, nbt=nbt)
+
+    @staticmethod
+    def layout(x3):
+        """x3 (N, C, L) as the passes read it: (N, C, L) rows or channels_last (N, L, C) in place, else a copy."""
+        return P.as_read(x3)
+
+    @staticmethod
+    def grad_layout(dy, x3):
+        """dy in x3's layout, in whatever dtype it came (the kernels read it as it is: no cast pass)."""
+        return P.like(dy, x3)
 
     @staticmethod
     def plan_stats(part, shape, mode=STATS_NONE, stat_mean=None, stat_var=None, base=None, rate=0.0, momentum=0.1,

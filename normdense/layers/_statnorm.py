@@ -160,9 +160,9 @@ class StatNorm2d(nn.Module):
             x3 = x.reshape(shape[0], shape[1], -1)
             if x3.dtype != cd and x3.dtype not in _HALF:
                 x3 = x3.to(cd)  # e.g. float32 x with float64 parameters
-            # channels_last and permuted views (a transformer's tokens handed to a CNN head): both backends
-            # read (n, c, HW) rows; a no-op for a contiguous x
-            x3 = x3.contiguous()
+            # Triton reads (N, C, L) and channels_last (N, L, C) layouts in place; anything else (a permuted
+            # view, ATen's row kernels) is made contiguous: a copy
+            x3 = be.layout(x3)
             part = be.moments(x3)
             m, v, stats, write, nbt, record, first = self._first_stage(be, part, x3.shape)
             params = tuple(self._statnorm_params())
@@ -285,9 +285,8 @@ def _backward_or_fallback(ctx, dy):
     x3, = ctx.saved_tensors
     with torch.autocast(x3.device.type, enabled=False):
         dy = dy.reshape(x3.shape)  # dy may be expanded (the grad of a sum)
-        dy = dy if dy.dtype == x3.dtype else dy.to(x3.dtype)
         call = ctx.call
-        dy = dy.contiguous()  # once, for both backward passes (a channels_last network's dy is strided)
+        dy = call.backend.grad_layout(dy, x3)  # once, for both backward passes
         errors = _backend.compile_errors() if call.backend is not AtenBackend else ()
         try:
             if call.backend is AtenBackend:
@@ -361,10 +360,11 @@ def synced_batch_moments_vjp(m, mean, count, positions, dm, dv, dmean, dvar):
 def _reshaped_base(y: torch.Tensor, shape) -> torch.Tensor:
     """The fresh tensor y in ``shape`` as a tensor of its own, not a view: under no_grad, e.g. the forward of
     a reentrant activation checkpoint (mmdet's ``with_cp``), a view returned out of the checkpoint's Function
-    could not be modified in place (a residual ``+=``, a following ReLU(inplace))."""
-    if not y.is_contiguous():
+    could not be modified in place (a residual ``+=``, a following ReLU(inplace)). Keeps y's memory format."""
+    try:
+        strides = y.view(shape).stride()
+    except RuntimeError:  # not viewable in that shape: a copy, a tensor of its own anyway
         return y.reshape(shape)
-    strides = torch.empty(0).new_empty(shape, device='meta').stride()
     return y.new_empty(0).set_(y.untyped_storage(), y.storage_offset(), shape, strides)
 
 

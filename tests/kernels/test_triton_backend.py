@@ -254,3 +254,35 @@ def test_every_launch_on_the_tensors_device(name, monkeypatch):
     assert len(seen) >= 6, seen  # forward and backward launches
     assert set(seen) == {1}, seen
     assert current[0] == 0
+
+
+@pytest.mark.parametrize('name', ['bcn-estimate', 'bcn-batch', 'gnpn-relu', 'unitization-batch'])
+def test_channels_last_and_autocast_without_hidden_passes(device, name):
+    """A bf16 channels_last x under autocast (float32 parameters): a training step launches the Triton kernels
+    only (no copy of x or dy, no cast of dy: every other operator would be a pass over the activation), y and
+    dx come back channels_last in x's dtype, and they equal the contiguous input's."""
+    tri, _ = pair(name, torch.float32, device)
+    ref = copy.deepcopy(tri)
+    torch.manual_seed(3)
+    x = (torch.randn(2, C, 5, 7, device=device) * 2 + 1).bfloat16()
+    dy = torch.randn(2, C, 5, 7, device=device).bfloat16()
+    xl = x.to(memory_format=torch.channels_last).requires_grad_()
+    dyl = dy.to(memory_format=torch.channels_last)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        tri(xl).backward(dyl)  # warm: an estimate layer's first iteration, caches fill
+        for t in [xl, *tri.parameters()]:
+            t.grad = None  # else the step's gradients are added to these: ATen adds
+        with count_launches() as n:
+            y = tri(xl)
+            y.backward(dyl)
+    assert n['aten'] == 0, n['ops']
+    assert y.dtype == torch.bfloat16 and y.is_contiguous(memory_format=torch.channels_last)
+    assert xl.grad.is_contiguous(memory_format=torch.channels_last)
+    xc = x.clone().requires_grad_()
+    with torch.autocast(device, dtype=torch.bfloat16):
+        ref(xc).backward(dy)
+        xc.grad = None
+        yc = ref(xc)
+        yc.backward(dy)
+    torch.testing.assert_close(y.float(), yc.float(), rtol=0.02, atol=0.02)
+    torch.testing.assert_close(xl.grad.float(), xc.grad.float(), rtol=0.02, atol=0.02)
