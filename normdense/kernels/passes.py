@@ -138,10 +138,12 @@ def apply(x3, m, v, coeffs, act=None, out_dtype=None, write=None, nbt=None):
 
 
 # --- backward -----------------------------------------------------------------------------------------------
-def sums(x3, dy, m, v, coeffs, act=None):
+def sums(x3, dy, m, v, coeffs, act=None, merged=True):
     """The gradients of the coefficients: [sum_l g t, sum_l g] (and sum_l dy act(z), sum_l dy with an
-    activation), each (N, C) in the coefficients' dtype; a merge launch only when rows are split. dy in any
-    floating dtype, in x3's layout (else copied into it)."""
+    activation), each (N, C) in the coefficients' dtype; a merge launch only when rows are split. ``merged``
+    False: each as the chunks' partials (SPLIT, N, C) instead, for kernels that add them as they load them
+    (the layers' VJP kernels, :func:`dx`): no merge launch. dy in any floating dtype, in x3's layout (else
+    copied into it)."""
     x3 = as_read(x3)
     dy = like(dy, x3)
     n, c, length = x3.shape
@@ -155,6 +157,8 @@ def sums(x3, dy, m, v, coeffs, act=None):
     _sums_kernel[plan['grid']](x3, dy, part, m, v, a, b, k, n * c, c, length, plan['CHUNK'], *hi_lo(p0),
                                *hi_lo(p1), ACT=act_id, BLOCK=plan['BLOCK'], BLOCK_C=plan['BLOCK_C'], V=plan['V'],
                                CL=plan['CL'], ACC=acc_dtype(x3.dtype))
+    if not merged:
+        return [part[:, i].view(split, n, c) for i in range(count)]
     if split > 1:
         out = torch.empty(count, n * c, dtype=m.dtype, device=x3.device)
         size = count * n * c
@@ -165,7 +169,8 @@ def sums(x3, dy, m, v, coeffs, act=None):
 
 
 def dx(x3, dy, m, v, coeffs, dm, dv, gsum, act=None, batch=None):
-    """dx (x3's shape, dtype and layout) from the coefficients' VJP (dm, dv) and sum_l g (``gsum``); ``batch``
+    """dx (x3's shape, dtype and layout) from the coefficients' VJP (dm, dv) and sum_l g (``gsum``: (N, C), or
+    the (SPLIT, N, C) partials of ``sums(merged=False)``, added in the kernel); ``batch``
     = (mean, dmean, dvar, 1 / N) adds the VJP of the (unsynchronized) batch statistics. dy as for
     :func:`sums`."""
     x3 = as_read(x3)
@@ -177,8 +182,9 @@ def dx(x3, dy, m, v, coeffs, dm, dv, gsum, act=None, batch=None):
     a, b = coeffs[0], coeffs[1]
     k = coeffs[2] if act_id >= 0 else a
     mean, dmean, dvar, scale = batch if batch is not None else (m, m, m, 0.0)
+    gsplit, gstride = (gsum.shape[0], gsum.stride(0)) if gsum.dim() == 3 else (1, 0)
     _dx_kernel[plan['grid']](x3, dy, out, m, v, a, b, k, dm, dv, gsum, mean, dmean, dvar, c, length,
-                             plan['CHUNK'], *hi_lo(scale), *hi_lo(p0), *hi_lo(p1), ACT=act_id,
+                             plan['CHUNK'], gsplit, gstride, *hi_lo(scale), *hi_lo(p0), *hi_lo(p1), ACT=act_id,
                              BATCH=batch is not None, BLOCK=plan['BLOCK'], BLOCK_C=plan['BLOCK_C'], V=plan['V'],
                              SMALL=plan['SMALL'], CL=plan['CL'], ACC=acc_dtype(x3.dtype))
     return out

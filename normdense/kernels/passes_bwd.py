@@ -113,9 +113,10 @@ def _merge_kernel(part_ptr, out_ptr, SIZE, SPLIT, BLOCK: tl.constexpr):
 
 @triton.jit
 def _dx_coeffs(m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr, dv_ptr, gsum_ptr, mean_ptr, dmean_ptr, dvar_ptr, r,
-               mask, C, Lf, scale, ACT: tl.constexpr, BATCH: tl.constexpr, ACC: tl.constexpr):
+               mask, C, Lf, scale, GSPLIT, GSTRIDE, ACT: tl.constexpr, BATCH: tl.constexpr, ACC: tl.constexpr):
     """(m, A masked, A, c0, c1, B, A K) of row(s) r: dx = A g + c1 t + c0, c0 = (dm - A sum_l g) / L,
-    c1 = 2 dv / L (0 where v = 0); BATCH: dm, dv first take the VJP of the batch statistics."""
+    c1 = 2 dv / L (0 where v = 0); BATCH: dm, dv first take the VJP of the batch statistics. sum_l g comes as
+    the sums kernel's GSPLIT partials (GSTRIDE apart), added here in order: no merge launch."""
     m = tl.load(m_ptr + r, mask=mask, other=0.0).to(ACC)
     live = tl.load(v_ptr + r, mask=mask, other=0.0) > 0
     a_full = tl.load(a_ptr + r, mask=mask, other=0.0).to(ACC)
@@ -127,7 +128,10 @@ def _dx_coeffs(m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr, dv_ptr, gsum_ptr, mean
         dm = dm + scale * tl.load(dmean_ptr + c, mask=mask, other=0.0).to(ACC) + \
             2.0 * scale * (m - tl.load(mean_ptr + c, mask=mask, other=0.0).to(ACC)) * dvar
         dv = dv + scale * dvar
-    c0 = (dm - a_full * tl.load(gsum_ptr + r, mask=mask, other=0.0).to(ACC)) / Lf
+    gsum = tl.load(gsum_ptr + r, mask=mask, other=0.0).to(ACC)
+    for sp in range(1, GSPLIT):
+        gsum += tl.load(gsum_ptr + sp * GSTRIDE + r, mask=mask, other=0.0).to(ACC)
+    c0 = (dm - a_full * gsum) / Lf
     c1 = tl.where(live, 2.0 * dv / Lf, 0.0)
     b = m
     ak = a_full
@@ -144,9 +148,9 @@ def _dx_map(t, g, a, a_full, c0, c1, b, ak, p0, p1, ACT: tl.constexpr):
     return a_full * g + c1 * t + c0
 
 
-@triton.jit(do_not_specialize=['C', 'L', 'CHUNK'])
+@triton.jit(do_not_specialize=['C', 'L', 'CHUNK', 'GSPLIT', 'GSTRIDE'])
 def _dx_kernel(x_ptr, dy_ptr, dx_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr, dv_ptr, gsum_ptr, mean_ptr,
-               dmean_ptr, dvar_ptr, C, L, CHUNK, sc_h, sc_l, p0h, p0l, p1h, p1l, ACT: tl.constexpr,
+               dmean_ptr, dvar_ptr, C, L, CHUNK, GSPLIT, GSTRIDE, sc_h, sc_l, p0h, p0l, p1h, p1l, ACT: tl.constexpr,
                BATCH: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, V: tl.constexpr,
                SMALL: tl.constexpr, CL: tl.constexpr, ACC: tl.constexpr):
     """dx = A g + c1 t + c0 (:func:`_dx_coeffs`), g = dy (g = K dy act'(z) with an activation), written in
@@ -162,7 +166,7 @@ def _dx_kernel(x_ptr, dy_ptr, dx_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr,
         end = tl.minimum(start + CHUNK, L)
         m, a, a_full, c0, c1, b, ak = _dx_coeffs(m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr, dv_ptr, gsum_ptr,
                                                  mean_ptr, dmean_ptr, dvar_ptr, n * C + ch, cm, C, Lf, scale,
-                                                 ACT, BATCH, ACC)
+                                                 GSPLIT, GSTRIDE, ACT, BATCH, ACC)
         for off in range(start, end, BLOCK):
             offs, mask = cl_tile(n, ch, cm, CV, L, off, end, BLOCK)
             t, g = _t_and_dy(x_ptr, dy_ptr, offs, mask, m[None, :], ACC)
@@ -177,10 +181,10 @@ def _dx_kernel(x_ptr, dy_ptr, dx_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr,
         if not SMALL:
             m0, a0, f0, c00, c10, b0, ak0 = _dx_coeffs(m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr, dv_ptr, gsum_ptr,
                                                        mean_ptr, dmean_ptr, dvar_ptr, row, True, C, Lf, scale,
-                                                       ACT, BATCH, ACC)
+                                                       GSPLIT, GSTRIDE, ACT, BATCH, ACC)
             m1, a1, f1, c01, c11, b1, ak1 = _dx_coeffs(m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr, dv_ptr, gsum_ptr,
                                                        mean_ptr, dmean_ptr, dvar_ptr, tl.minimum(row + 1, last),
-                                                       True, C, Lf, scale, ACT, BATCH, ACC)
+                                                       True, C, Lf, scale, GSPLIT, GSTRIDE, ACT, BATCH, ACC)
         for off in range(cs, ce, BLOCK):
             idx = off + cols
             mask = idx < ce
@@ -188,7 +192,7 @@ def _dx_kernel(x_ptr, dy_ptr, dx_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr,
                 r = tl.minimum(idx // L, last)
                 m, a, a_full, c0, c1, b, ak = _dx_coeffs(m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr, dv_ptr,
                                                          gsum_ptr, mean_ptr, dmean_ptr, dvar_ptr, r, mask, C, Lf,
-                                                         scale, ACT, BATCH, ACC)
+                                                         scale, GSPLIT, GSTRIDE, ACT, BATCH, ACC)
             else:
                 nxt = idx >= r1
                 m = tl.where(nxt, m1, m0)

@@ -154,6 +154,13 @@ def test_apply_sums_dx(device, dtype, act, shape, layout, s, small, monkeypatch)
     want_dx = a * g + c1 * t + c0
     torch.testing.assert_close(dx.double(), want_dx, rtol=tol * 10, atol=tol * 10)
     assert dx.stride() == x.stride()
+    with split(s):  # the chunks' partials, added by the kernels that read them: the same values, no merge
+        parts = P.sums(x, dy, m, v, coeffs, spec, merged=False)
+        dx_parts = P.dx(x, dy, m, v, coeffs, dm, dv, parts[1], spec)
+    assert all(p.dim() == 3 and p.shape[1:] == (n, c) for p in parts)
+    for got, p in zip(grads, parts):
+        torch.testing.assert_close(p.sum(0), got, rtol=tol, atol=tol * length)
+    torch.testing.assert_close(dx_parts, dx, rtol=tol, atol=tol)
 
 
 def reference(x, dy, m, v, coeffs, dm, dv):
