@@ -1,6 +1,8 @@
 """normdense.kernels.activations against torch: phi through the activation's torch function, phi' through the
 ATen backward op autograd uses (``_activations._BACKWARD`` with g = 1), elementwise on values that include the
 kinks and large |z|, float64 to ~1e-12 and float32 to ~1e-6."""
+import os
+
 import pytest
 import torch
 
@@ -66,3 +68,46 @@ def test_forward_and_derivative_equal_torch(name, kwargs, dtype, device):
 def test_act_args_rejects_unknown_names():
     with pytest.raises(ValueError):
         K.act_args('swish2', {})
+
+
+@triton.jit
+def _fast_forms(x_ptr, a_ptr, b_ptr, n, WHICH: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    z = tl.load(x_ptr + i, mask=i < n, other=0.0)
+    if WHICH == 0:
+        a, b = K._mish_parts(z)
+    elif WHICH == 1:
+        a, b = K._sigmoid_and_slope(z)
+    else:
+        a = K._tanh_derivative(z)
+        b = a
+    tl.store(a_ptr + i, a.to(z.dtype), mask=i < n)
+    tl.store(b_ptr + i, b.to(z.dtype), mask=i < n)
+
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+@pytest.mark.parametrize('which', ['mish', 'sigmoid', 'tanh'])
+def test_the_compiled_forms_algebra_equals_torch(which, dtype, device):
+    """The exp-and-division forms the compiled path takes (``FAST``) need no libdevice, so they run here too:
+    the algebra and its clamps against float64 torch, at the same tolerances."""
+    z = _values({}, dtype, device)
+    a, b = torch.full_like(z, float('nan')), torch.full_like(z, float('nan'))
+    _fast_forms[(triton.cdiv(z.numel(), 64), )](z, a, b, z.numel(), ['mish', 'sigmoid', 'tanh'].index(which), 64)
+    z64 = z.double()
+    if which == 'mish':  # (tanh(softplus z), mish'(z))
+        ref = torch.tanh(torch.nn.functional.softplus(z64))
+        dref = _BACKWARD['mish'](torch.ones_like(z64), z64, z64 * ref, {})
+    elif which == 'sigmoid':  # (sigmoid z, sigmoid(z) sigmoid(-z))
+        ref, dref = torch.sigmoid(z64), torch.sigmoid(z64) * torch.sigmoid(-z64)
+    else:  # 1 - tanh^2 as 1 / cosh^2: no cancellation in the reference either
+        ref = dref = torch.cosh(z64).pow(-2)
+    tol = dict(rtol=1e-12, atol=1e-13) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(a.double(), ref, **tol)
+    torch.testing.assert_close(b.double(), dref, **tol)
+
+
+def test_the_switch_is_off_under_the_interpreter():
+    """``FAST`` is triton.jit's own decision: the interpreter runs the portable forms (no libdevice)."""
+    interpreted = os.environ.get('TRITON_INTERPRET') == '1'
+    assert bool(K.FAST) is not interpreted
+    assert isinstance(K.FAST, tl.constexpr)
