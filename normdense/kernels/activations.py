@@ -50,8 +50,6 @@ Nothing here imports ``normdense.layers``; the names are a literal (a test check
 """
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
-from triton.runtime.jit import JITFunction
 
 __all__ = ['ACTIVATION_IDS', 'GELU_TANH', 'act_args', 'act_forward', 'act_grad']
 
@@ -95,7 +93,10 @@ def _probe():
 # True where triton.jit compiles (this module's functions are JITFunctions), False under TRITON_INTERPRET=1:
 # the very test triton.jit makes. A constexpr global, so each `if FAST` is resolved at compile time and the
 # interpreter never reaches a libdevice call.
-FAST = tl.constexpr(isinstance(_probe, JITFunction))
+FAST = tl.constexpr(isinstance(_probe, triton.JITFunction))
+# NVIDIA's libdevice (the GPUs this engine targets), reached from tl: the kernels import only triton and
+# triton.language (tests/kernels/test_proxy_norm_kernels.py)
+libdevice = tl.extra.cuda.libdevice
 
 
 @triton.jit
@@ -172,9 +173,10 @@ def _mish_parts(z):
 
     With e = exp(z) and n = e (e + 2) = (1 + e)^2 - 1: t = n / (n + 2), 1 - t = 2 / (n + 2) and
     1 - t^2 = 4 (1 + e)^2 / (n + 2)^2, so mish' = t + z sigmoid(z) (1 - t^2) = t + 4 z e (1 + e) / (n + 2)^2.
-    t is taken as 1 - 2 / (n + 2) where t >= 1/2 (n >= 2) and as n / (n + 2) below: no cancellation either
-    side. z is clamped at 40 (n stays finite in float32): from there on t rounds to 1 in both dtypes and the
-    second term, exact or clamped (< 4 z e^-80), is far below an ulp of it."""
+    t is taken as 1 - 2 / (n + 2) where t >= 1/2 (n >= 2), so that it never exceeds 1 (float32 divisions are
+    approximate), and as n / (n + 2) below, where 1 - 2 / (n + 2) would cancel. z is clamped at 40, so that n
+    and e stay finite in float32 (an infinite e would make the second term inf * 0): from there on t rounds to 1 in
+    both dtypes and the second term, exact or clamped (< 4 z e^-80), is far below an ulp of it."""
     e = tl.exp(tl.minimum(z, 40.0))
     n = e * (e + 2.0)
     r = 1.0 / (n + 2.0)

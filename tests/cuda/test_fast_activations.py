@@ -1,9 +1,9 @@
 """The compiled forms of normdense.kernels.activations (``FAST`` on: libdevice expm1/log1p/tanh, the
 one-exp-one-division forms of mish, tanh' and gelu-tanh') on a GPU against float64 torch, for every activation:
 phi through its torch function, phi' through the ATen backward op autograd uses, on the kink values of
-tests/kernels/test_activations.py (the phi' conventions of the module docstring) and on a dense grid and
-log-spaced magnitudes of both signs. Tolerance, the module docstring's: float32 within rtol 1e-6 and atol 1e-6,
-float64 within rtol 1e-12 and atol 1e-13.
+tests/kernels/test_activations.py (the phi' conventions of the module docstring), on a dense grid and on
+log-spaced magnitudes of both signs, past where exp overflows. Tolerance, the module docstring's: float32 within
+rtol 1e-6 and atol 1e-6, float64 within rtol 1e-12 and atol 1e-13.
 
 Marked ``cuda``: reported as "needs CUDA: not run" without a GPU (triton is imported inside the test, so the
 file collects everywhere). Run it with ``TRITON_INTERPRET`` unset: the kernels must be compiled."""
@@ -17,8 +17,8 @@ TOL = {torch.float32: dict(rtol=1e-6, atol=1e-6), torch.float64: dict(rtol=1e-12
 
 def _grid(kwargs, dtype):
     from tests.kernels.test_activations import _values
-    big = 700.0 if dtype == torch.float64 else 80.0
-    mags = torch.logspace(-30, 2, 3001, dtype=torch.float64).clamp_max(big)
+    huge = 750.0 if dtype == torch.float64 else 100.0  # exp(huge) overflows (mish's clamp)
+    mags = torch.logspace(-30, 3, 3301, dtype=torch.float64).clamp_max(huge)
     z = torch.cat([_values(kwargs, torch.float64, 'cpu'), torch.linspace(-30, 30, 120001, dtype=torch.float64),
                    mags, -mags])
     return z.to(dtype).cuda()
