@@ -89,7 +89,7 @@ def _fast_forms(x_ptr, a_ptr, b_ptr, n, WHICH: tl.constexpr, BLOCK: tl.constexpr
 @pytest.mark.parametrize('which', ['mish', 'sigmoid', 'tanh'])
 def test_the_compiled_forms_algebra_equals_torch(which, dtype, device):
     """The exp-and-division forms the compiled path takes (``FAST``) need no libdevice, so they run here too:
-    the algebra against float64 torch, up to where exp overflows (the clamp), at the same tolerances; the
+    the algebra against float64 torch, past where exp overflows (the clamp), at the same tolerances; the
     outputs free of cancellation (all but mish') to the relative tolerance alone, down to the smallest normal."""
     huge = 750.0 if dtype == torch.float64 else 100.0  # exp(huge) overflows
     z = torch.cat([_values({}, dtype, device), torch.tensor([huge, -huge], dtype=dtype, device=device)])
@@ -104,12 +104,16 @@ def test_the_compiled_forms_algebra_equals_torch(which, dtype, device):
     else:  # 1 - tanh^2 as 1 / cosh^2: no cancellation in the reference either
         ref = dref = torch.cosh(z64).pow(-2)
     tol = dict(rtol=1e-12, atol=1e-13) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-6)
+    # compiled, float32 tl.exp is ex2.approx of a rounded z log2(e): |z| 2^-24 relative, only the documented
+    # tolerance holds there
     relative = dict(rtol=tol['rtol'], atol=torch.finfo(dtype).tiny)
+    if (dtype, device) == (torch.float32, 'cuda'):
+        relative = tol
     torch.testing.assert_close(a.double(), ref, **relative)
     torch.testing.assert_close(b.double(), dref, **(tol if which == 'mish' else relative))
 
 
-def test_the_switch_is_off_under_the_interpreter():
+def test_the_switch_follows_the_interpreter():
     """``FAST`` is triton.jit's own decision: the interpreter runs the portable forms (no libdevice)."""
     interpreted = os.environ.get('TRITON_INTERPRET') == '1'
     assert bool(K.FAST) is not interpreted
