@@ -14,9 +14,39 @@ it stays a Python float, so CPU tests cannot see it) and would round e.g. negati
 computation. Constants multiply tiles from the right (``tile * CONST``): the interpreter does not turn a
 constexpr on the left into a tensor op.
 
-No libdevice (the interpreter cannot run it): tanh and expm1/log1p from tl.exp/tl.log in forms accurate to a
-few ulps, erf from tl.erf. Nothing here imports ``normdense.layers``; the names are a literal (a test checks
-them against ``PROXY_NORM_ACTIVATIONS``).
+Two forms of the transcendental activations, chosen at compile time by the constexpr ``FAST`` (True where
+``triton.jit`` compiles, False under ``TRITON_INTERPRET=1``); no call site changes. The portable form, for the
+interpreter, which cannot run libdevice: tanh and expm1/log1p from tl.exp/tl.log in forms accurate to a few
+ulps, erf from tl.erf. The compiled form spends fewer transcendental operations per element (the coefficient
+passes are compute-bound on these, not memory-bound):
+
+====================  ================================================  =========================================
+activation            portable                                          compiled (``FAST``)
+====================  ================================================  =========================================
+elu, celu, selu: phi  Kahan's expm1 (exp, log, division)                libdevice ``expm1``
+softplus: phi         Goldberg's log1p (log, division)                  libdevice ``log1p``
+tanh: phi             -e / (2 + e), e = expm1(-2|z|)                    libdevice ``tanh``
+tanh: phi'            1 - tanh(z)^2                                     4 e / (1 + e)^2, e = exp(-2|z|)
+mish: phi, phi'       tanh(softplus z), sigmoid z: 3 exp, 2 log, 4 div  ``_mish_parts``: 1 exp, 1 division
+gelu (tanh): phi'     sigmoid(2u) and sigmoid(-2u)                      ``_sigmoid_and_slope``: 1 exp, 1 division
+====================  ================================================  =========================================
+
+The rest is one code in both: relu, relu6, leaky_relu, hardswish (no transcendental), gelu (tl.erf, libdevice's
+erf once compiled), silu and sigmoid (one exp and one division already), the phi' of elu/celu/selu/softplus
+(one exp). The exp-and-division forms of the table run in the interpreter too (tests call them directly).
+
+Precision of the compiled form. float32: tl.exp is ``ex2.approx.f32`` (2 ulp, plus |z| 2^-24 relative from
+rounding z log2(e)), a division ``div.full.f32`` (2 ulp), libdevice's expm1f/log1pf/tanhf within 1/1/2 ulp
+(CUDA math API; denormals flushed): the float32 tolerance stays the portable form's, within rtol 1e-6 and
+atol 1e-6 of float64 torch (tests/cuda/test_fast_activations.py), kinks included (they are the same selects).
+``tanh.approx.f32`` (one MUFU op, but 2^-11 relative error) is not used: it would break that tolerance.
+float64: libdevice's double functions (expm1, log1p, tanh 1 ulp; their only approximate instructions are an
+``rcp.approx.ftz.f64`` seed that Newton steps refine and ``ex2.approx.ftz.f32`` of an integer, an exact power
+of 2), exp through libdevice, divisions ``div.rn.f64``: float64 stays exact to a few ulps (rtol 1e-12).
+tests/kernels/test_activation_ptx.py compiles both forms for sm_90 and counts their PTX instructions.
+
+Nothing here imports ``normdense.layers``; the names are a literal (a test checks them against
+``PROXY_NORM_ACTIVATIONS``).
 """
 import triton
 import triton.language as tl
@@ -56,27 +86,55 @@ def act_args(name: str, kwargs: dict):
 
 
 @triton.jit
+def _probe():
+    pass
+
+
+# True where triton.jit compiles (this module's functions are JITFunctions), False under TRITON_INTERPRET=1:
+# the very test triton.jit makes. A constexpr global, so each `if FAST` is resolved at compile time and the
+# interpreter never reaches a libdevice call.
+FAST = tl.constexpr(isinstance(_probe, triton.JITFunction))
+# NVIDIA's libdevice (the GPUs this engine targets), reached from tl: the kernels import only triton and
+# triton.language (tests/kernels/test_proxy_norm_kernels.py)
+libdevice = tl.extra.cuda.libdevice
+
+
+@triton.jit
 def _expm1_neg(x):
-    """exp(x) - 1 for x <= 0, to a few ulps (Kahan: (u - 1) x / log u, u = exp(x))."""
-    u = tl.exp(x)
-    um1 = u - 1.0
-    lu = tl.log(tl.where((um1 == 0.0) | (u == 0.0), 2.0, u))  # u = 1 and u = 0 take the other branches
-    return tl.where(um1 == 0.0, x, tl.where(um1 == -1.0, -1.0, um1 * (x / lu)))
+    """exp(x) - 1 for x <= 0, to a few ulps: libdevice's expm1 when compiled, else Kahan's
+    (u - 1) x / log u, u = exp(x)."""
+    if FAST:
+        out = libdevice.expm1(x)
+    else:
+        u = tl.exp(x)
+        um1 = u - 1.0
+        lu = tl.log(tl.where((um1 == 0.0) | (u == 0.0), 2.0, u))  # u = 1 and u = 0 take the other branches
+        out = tl.where(um1 == 0.0, x, tl.where(um1 == -1.0, -1.0, um1 * (x / lu)))
+    return out
 
 
 @triton.jit
 def _log1p_pos(x):
-    """log(1 + x) for x >= 0, to a few ulps (Goldberg: log(u) x / (u - 1), u = 1 + x)."""
-    u = 1.0 + x
-    um1 = u - 1.0
-    return tl.where(um1 == 0.0, x, tl.log(u) * (x / tl.where(um1 == 0.0, 1.0, um1)))
+    """log(1 + x) for x >= 0, to a few ulps: libdevice's log1p when compiled, else Goldberg's
+    log(u) x / (u - 1), u = 1 + x."""
+    if FAST:
+        out = libdevice.log1p(x)
+    else:
+        u = 1.0 + x
+        um1 = u - 1.0
+        out = tl.where(um1 == 0.0, x, tl.log(u) * (x / tl.where(um1 == 0.0, 1.0, um1)))
+    return out
 
 
 @triton.jit
 def _tanh(z):
-    e = _expm1_neg(tl.abs(z) * -2.0)  # in [-1, 0]: tanh |z| = -e / (2 + e), no cancellation near 0
-    t = -e / (2.0 + e)
-    return tl.where(z < 0, -t, t)
+    if FAST:
+        out = libdevice.tanh(z)
+    else:
+        e = _expm1_neg(tl.abs(z) * -2.0)  # in [-1, 0]: tanh |z| = -e / (2 + e), no cancellation near 0
+        t = -e / (2.0 + e)
+        out = tl.where(z < 0, -t, t)
+    return out
 
 
 @triton.jit
@@ -90,6 +148,40 @@ def _sigmoid(z):
 def _softplus(t):
     """log(1 + exp(t)) without overflow."""
     return tl.maximum(t, 0.0) + _log1p_pos(tl.exp(-tl.abs(t)))
+
+
+@triton.jit
+def _sigmoid_and_slope(u):
+    """(sigmoid(u), sigmoid(u) sigmoid(-u)) from one exp and one division: with e = exp(-|u|) and
+    r = 1 / (1 + e), sigmoid(|u|) = r, sigmoid(-|u|) = e r, and their product is e r^2 either side."""
+    e = tl.exp(-tl.abs(u))
+    r = 1.0 / (1.0 + e)
+    return tl.where(u >= 0, r, e * r), (e * r) * r
+
+
+@triton.jit
+def _tanh_derivative(z):
+    """1 - tanh(z)^2 = 4 e / (1 + e)^2, e = exp(-2 |z|): one exp and one division, no cancellation."""
+    e = tl.exp(tl.abs(z) * -2.0)
+    r = 1.0 / (1.0 + e)
+    return (e * r) * (r * 4.0)
+
+
+@triton.jit
+def _mish_parts(z):
+    """(t, d) = (tanh(softplus z), mish'(z)) from one exp and one division.
+
+    With e = exp(z) and n = e (e + 2) = (1 + e)^2 - 1: t = n / (n + 2), 1 - t = 2 / (n + 2) and
+    1 - t^2 = 4 (1 + e)^2 / (n + 2)^2, so mish' = t + z sigmoid(z) (1 - t^2) = t + 4 z e (1 + e) / (n + 2)^2.
+    t is taken as 1 - 2 / (n + 2) where t >= 1/2 (n >= 2), so that it never exceeds 1 (float32 divisions are
+    approximate), and as n / (n + 2) below, where 1 - 2 / (n + 2) would cancel. z is clamped at 40, so that n
+    and e stay finite in float32 (an infinite e would make the second term inf * 0): from there on t rounds to 1 in
+    both dtypes and the second term, exact or clamped (< 4 z e^-80), is far below an ulp of it."""
+    e = tl.exp(tl.minimum(z, 40.0))
+    n = e * (e + 2.0)
+    r = 1.0 / (n + 2.0)
+    t = tl.where(n >= 2.0, 1.0 - r * 2.0, n * r)
+    return t, t + (e * r) * ((1.0 + e) * r) * (z * 4.0)
 
 
 @triton.jit
@@ -114,7 +206,11 @@ def act_forward(z, ACT: tl.constexpr, p0, p1):
     elif ACT == 7:  # silu
         out = z * _sigmoid(z)
     elif ACT == 8:  # mish: softplus without threshold, as ATen's mish
-        out = z * _tanh(_softplus(z))
+        if FAST:
+            t, _ = _mish_parts(z)
+        else:
+            t = _tanh(_softplus(z))
+        out = z * t
     elif ACT == 9:  # softplus(beta=p0, threshold=p1): linear where beta z > threshold
         t = z * p0
         out = tl.where(t > p1, z, _softplus(t) / p0)
@@ -148,14 +244,21 @@ def act_grad(z, ACT: tl.constexpr, p0, p1):
     elif ACT == 13:  # gelu_backward('tanh')
         # (1 + t) / 2 = s and 1 - t^2 = 4 s (1 - s), s = sigmoid(2 u): no cancellation in float32 where |t| ~ 1
         u2 = (z + z * z * z * _KAPPA) * (2.0 * _SQRT_2_PI)
-        s = _sigmoid(u2)
-        d = s + z * 2.0 * s * _sigmoid(-u2) * ((1.0 + z * z * (3.0 * _KAPPA)) * _SQRT_2_PI)
+        if FAST:
+            s, ss = _sigmoid_and_slope(u2)
+            d = s + z * 2.0 * ss * ((1.0 + z * z * (3.0 * _KAPPA)) * _SQRT_2_PI)
+        else:
+            s = _sigmoid(u2)
+            d = s + z * 2.0 * s * _sigmoid(-u2) * ((1.0 + z * z * (3.0 * _KAPPA)) * _SQRT_2_PI)
     elif ACT == 7:  # silu_backward
         s = _sigmoid(z)
         d = s * (1.0 + z * (1.0 - s))
     elif ACT == 8:  # mish_backward
-        t = _tanh(_softplus(z))
-        d = t + z * _sigmoid(z) * (1.0 - t * t)
+        if FAST:
+            _, d = _mish_parts(z)
+        else:
+            t = _tanh(_softplus(z))
+            d = t + z * _sigmoid(z) * (1.0 - t * t)
     elif ACT == 9:  # softplus_backward: 1 above the threshold, else sigmoid(beta z)
         t = z * p0
         d = tl.where(t > p1, 1.0, _sigmoid(t))
@@ -166,6 +269,9 @@ def act_grad(z, ACT: tl.constexpr, p0, p1):
         d = (1.0 - s) * s
     else:  # tanh_backward(g, out) = g (1 - out^2)
         tl.static_assert(ACT == 12, 'unknown activation id')
-        t = _tanh(z)
-        d = 1.0 - t * t
+        if FAST:
+            d = _tanh_derivative(z)
+        else:
+            t = _tanh(z)
+            d = 1.0 - t * t
     return d.to(z.dtype)

@@ -1,6 +1,8 @@
 """normdense.kernels.activations against torch: phi through the activation's torch function, phi' through the
 ATen backward op autograd uses (``_activations._BACKWARD`` with g = 1), elementwise on values that include the
 kinks and large |z|, float64 to ~1e-12 and float32 to ~1e-6."""
+import os
+
 import pytest
 import torch
 
@@ -66,3 +68,53 @@ def test_forward_and_derivative_equal_torch(name, kwargs, dtype, device):
 def test_act_args_rejects_unknown_names():
     with pytest.raises(ValueError):
         K.act_args('swish2', {})
+
+
+@triton.jit
+def _fast_forms(x_ptr, a_ptr, b_ptr, n, WHICH: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    z = tl.load(x_ptr + i, mask=i < n, other=0.0)
+    if WHICH == 0:
+        a, b = K._mish_parts(z)
+    elif WHICH == 1:
+        a, b = K._sigmoid_and_slope(z)
+    else:
+        a = K._tanh_derivative(z)
+        b = a
+    tl.store(a_ptr + i, a.to(z.dtype), mask=i < n)
+    tl.store(b_ptr + i, b.to(z.dtype), mask=i < n)
+
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+@pytest.mark.parametrize('which', ['mish', 'sigmoid', 'tanh'])
+def test_the_compiled_forms_algebra_equals_torch(which, dtype, device):
+    """The exp-and-division forms the compiled path takes (``FAST``) need no libdevice, so they run here too:
+    the algebra against float64 torch, past where exp overflows (the clamp), at the same tolerances; the
+    outputs free of cancellation (all but mish') to the relative tolerance alone, down to the smallest normal."""
+    huge = 750.0 if dtype == torch.float64 else 100.0  # exp(huge) overflows
+    z = torch.cat([_values({}, dtype, device), torch.tensor([huge, -huge], dtype=dtype, device=device)])
+    a, b = torch.full_like(z, float('nan')), torch.full_like(z, float('nan'))
+    _fast_forms[(triton.cdiv(z.numel(), 64), )](z, a, b, z.numel(), ['mish', 'sigmoid', 'tanh'].index(which), 64)
+    z64 = z.double()
+    if which == 'mish':  # (tanh(softplus z), mish'(z))
+        ref = torch.tanh(torch.nn.functional.softplus(z64))
+        dref = _BACKWARD['mish'](torch.ones_like(z64), z64, z64 * ref, {})
+    elif which == 'sigmoid':  # (sigmoid z, sigmoid(z) sigmoid(-z))
+        ref, dref = torch.sigmoid(z64), torch.sigmoid(z64) * torch.sigmoid(-z64)
+    else:  # 1 - tanh^2 as 1 / cosh^2: no cancellation in the reference either
+        ref = dref = torch.cosh(z64).pow(-2)
+    tol = dict(rtol=1e-12, atol=1e-13) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-6)
+    # compiled, float32 tl.exp is ex2.approx of a rounded z log2(e): |z| 2^-24 relative, only the documented
+    # tolerance holds there
+    relative = dict(rtol=tol['rtol'], atol=torch.finfo(dtype).tiny)
+    if (dtype, device) == (torch.float32, 'cuda'):
+        relative = tol
+    torch.testing.assert_close(a.double(), ref, **relative)
+    torch.testing.assert_close(b.double(), dref, **(tol if which == 'mish' else relative))
+
+
+def test_the_switch_follows_the_interpreter():
+    """``FAST`` is triton.jit's own decision: the interpreter runs the portable forms (no libdevice)."""
+    interpreted = os.environ.get('TRITON_INTERPRET') == '1'
+    assert bool(K.FAST) is not interpreted
+    assert isinstance(K.FAST, tl.constexpr)
