@@ -27,8 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 N, CHANNELS, GROUPS = 2, 256, 32  # 2 images x 256 channels; mmdet's GN default of 32 groups where grouped
 LEVELS = {'P2': (200, 304), 'P3': (100, 152), 'P4': (50, 76), 'P5': (25, 38), 'P6': (13, 19), 'P7': (7, 10)}
 DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': torch.float32, 'fp64': torch.float64}
-# bf16 x under autocast (float32 parameters; a float32 output and dy where the layer follows autocast's policy,
-# as BCN does) and channels_last networks (x and dy strided)
+# bf16 x under autocast (float32 parameters; y and dy in bf16: the engine's output keeps x's dtype under
+# autocast) and channels_last networks (x and dy strided)
 EXTRA = {'bf16-autocast': torch.bfloat16, 'bf16-channels_last': torch.bfloat16, 'fp32-channels_last': torch.float32}
 
 
@@ -152,29 +152,6 @@ class Recorder:
         assert counts['aten'] == len(aten_ops), (counts['ops'], aten_ops)  # the two counters agree
 
 
-@contextlib.contextmanager
-def _cuda_autocast_policy(setting):
-    """Under autocast the engine's output dtype is what F.group_norm gives under the device's policy: float32
-    on CUDA (group_norm is on autocast's float32 list), bf16 on the CPU. The report is about the GPU, so the
-    CPU's answer is replaced by CUDA's while the step is recorded (the engine's own lookup table,
-    normdense/layers/_statnorm.py's _AUTOCAST_DTYPES, filled as its probe would fill it on CUDA)."""
-    if not setting.endswith('autocast'):
-        yield
-        return
-    from normdense.layers import _statnorm
-    keys = [('cpu', torch.bfloat16, batch, torch.bfloat16) for batch in (False, True)]
-    saved = {k: _statnorm._AUTOCAST_DTYPES.get(k) for k in keys}
-    _statnorm._AUTOCAST_DTYPES.update({k: torch.float32 for k in keys})
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                _statnorm._AUTOCAST_DTYPES.pop(k, None)
-            else:
-                _statnorm._AUTOCAST_DTYPES[k] = v
-
-
 def _layout(t):
     if t.is_contiguous():
         return 'contiguous'
@@ -196,22 +173,22 @@ def record_step(recorder, factory, setting, hw):
     x = torch.empty((N, CHANNELS) + hw, dtype=dtype, memory_format=fmt).requires_grad_(True)  # never read
     out = dict(x_bytes=x.numel() * x.element_size(), x_layout=_layout(x))
     ctx = (lambda: torch.autocast('cpu', dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
-    with _cuda_autocast_policy(setting):
-        for phase in ('forward', 'backward', 'eval'):
-            start = len(recorder.launches)
-            aten = []
-            with recorder.step(phase, x.numel(), aten):
-                if phase == 'forward':
-                    with ctx():
-                        y = layer(x)
-                elif phase == 'backward':  # dy as the network hands it back: y's dtype (autograd casts a
-                    # gradient to its output's dtype: float32 where autocast made y float32) and x's layout
-                    dy = torch.empty(y.shape, dtype=y.dtype, memory_format=fmt)
-                    dx = torch.autograd.grad(y, [x] + params, dy)[0]
-                else:
-                    layer.eval()
-                    with torch.no_grad(), ctx():
-                        layer(x.detach())
-            out[phase] = dict(launches=recorder.launches[start:], aten=aten)
+    # the engine keeps x's dtype under autocast too, on every device (StatNorm2d's dtype policy)
+    for phase in ('forward', 'backward', 'eval'):
+        start = len(recorder.launches)
+        aten = []
+        with recorder.step(phase, x.numel(), aten):
+            if phase == 'forward':
+                with ctx():
+                    y = layer(x)
+            elif phase == 'backward':  # dy as the network hands it back: y's dtype (autograd casts a
+                # gradient to its output's dtype) and x's layout
+                dy = torch.empty(y.shape, dtype=y.dtype, memory_format=fmt)
+                dx = torch.autograd.grad(y, [x] + params, dy)[0]
+            else:
+                layer.eval()
+                with torch.no_grad(), ctx():
+                    layer(x.detach())
+        out[phase] = dict(launches=recorder.launches[start:], aten=aten)
     out.update(y_dtype=str(y.dtype).replace('torch.', ''), y_layout=_layout(y), dx_layout=_layout(dx))
     return out
