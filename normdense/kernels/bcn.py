@@ -77,7 +77,7 @@ def _um(m_ptr, off, mask, mean, a, bb):
 
 
 @triton.jit
-def _group_stats(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, pid_g, rows, rmask, C, G, PER,
+def _group_stats(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, pid_g, rows, rmask, C, G, PER, inv,
                  EPS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
     """mean_g(u_m) and r ([BLOCK_N, BLOCK_G, 1]) of a chunked group: two passes over its chunks (the
     centred second one, as the torch method: no cancellation)."""
@@ -88,7 +88,7 @@ def _group_stats(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, pid_g, rows, r
         mean, rs, bw, bb = _first_stage(mean_ptr, var_ptr, bw_ptr, bb_ptr, ch, cmask, dt, EPS)
         mc, um = _um(m_ptr, rows * C + ch, rmask & cmask, mean, bw * rs, bb)
         su += tl.sum(um, axis=2)
-    mu = (su / PER)[:, :, None]
+    mu = (su * inv)[:, :, None]
     sq = tl.zeros([rows.shape[0], BLOCK_G], dtype=dt)
     for p0 in range(0, PER, BLOCK_P):
         grp, gmask, ch, cmask = _channels(pid_g, p0, G, PER, BLOCK_G, BLOCK_P)
@@ -99,7 +99,7 @@ def _group_stats(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, pid_g, rows, r
         d = tl.where(mask, um - mu, 0.0)
         v = tl.load(v_ptr + rows * C + ch, mask=mask, other=0.0)
         sq += tl.sum(v * (a * a) + d * d, axis=2)
-    return mu, rsqrt(sq / PER + EPS)[:, :, None]
+    return mu, rsqrt(sq * inv + EPS)[:, :, None]
 
 
 @triton.jit(do_not_specialize=['N', 'C', 'G', 'PER'])
@@ -110,9 +110,10 @@ def _bcn_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, b_pt
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]
     rmask = rows < N
     dt = m_ptr.dtype.element_ty
+    inv = 1.0 / tl.cast(PER, dt)  # one division (a float64 one is a subroutine call: register saves)
     if CHUNKED:
         mu, r = _group_stats(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, pid_g, rows, rmask, C, G, PER,
-                             EPS, BLOCK_G, BLOCK_P)
+                             inv, EPS, BLOCK_G, BLOCK_P)
         for p0 in range(0, PER, BLOCK_P):
             grp, gmask, ch, cmask = _channels(pid_g, p0, G, PER, BLOCK_G, BLOCK_P)
             mean, rs, bw, bb = _first_stage(mean_ptr, var_ptr, bw_ptr, bb_ptr, ch, cmask, dt, EPS)
@@ -127,15 +128,16 @@ def _bcn_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, b_pt
     else:  # whole groups in the tile: one load of everything
         grp, gmask, ch, cmask = _channels(pid_g, 0, G, PER, BLOCK_G, BLOCK_P)
         mean, rs, bw, bb = _first_stage(mean_ptr, var_ptr, bw_ptr, bb_ptr, ch, cmask, dt, EPS)
-        w = _channel_affine(w_ptr, grp, gmask, ch, cmask, dt, GROUP_AFFINE)
-        b = _channel_affine(b_ptr, grp, gmask, ch, cmask, dt, GROUP_AFFINE)
         mask = rmask & cmask
         off = rows * C + ch
         a = bw * rs
         mc, um = _um(m_ptr, off, mask, mean, a, bb)
-        d = tl.where(mask, um - (tl.sum(um, axis=2) / PER)[:, :, None], 0.0)
+        d = tl.where(mask, um - (tl.sum(um, axis=2) * inv)[:, :, None], 0.0)
         v = tl.load(v_ptr + off, mask=mask, other=0.0)
-        r = rsqrt(tl.sum(v * (a * a) + d * d, axis=2) / PER + EPS)[:, :, None]
+        r = rsqrt(tl.sum(v * (a * a) + d * d, axis=2) * inv + EPS)[:, :, None]
+        # loaded after the division: fewer live registers around its float64 slow-path call (no spills)
+        w = _channel_affine(w_ptr, grp, gmask, ch, cmask, dt, GROUP_AFFINE)
+        b = _channel_affine(b_ptr, grp, gmask, ch, cmask, dt, GROUP_AFFINE)
         s = r * w
         tl.store(a_ptr + off, s * a, mask=mask)
         tl.store(bo_ptr + off, s * d + b, mask=mask)
@@ -161,6 +163,7 @@ def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_p
                     CHUNKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
     pid_g = tl.program_id(0)
     dt = m_ptr.dtype.element_ty
+    inv = 1.0 / tl.cast(PER, dt)
     # this program's channels: whole groups, or (CHUNKED) chunk program_id(1) of one group
     grp, gmask, ch, cmask = _channels(pid_g, tl.program_id(1) * BLOCK_P, G, PER, BLOCK_G, BLOCK_P)
     mean, rs, bw, bb = _first_stage(mean_ptr, var_ptr, bw_ptr, bb_ptr, ch, cmask, dt, EPS)
@@ -175,12 +178,10 @@ def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_p
         rmask = rows < N
         mask = rmask & cmask
         off = rows * C + ch
-        ga = tl.load(ga_ptr + off, mask=mask, other=0.0).to(dt)
-        gb = tl.load(gb_ptr + off, mask=mask, other=0.0).to(dt)
         v = tl.load(v_ptr + off, mask=mask, other=0.0)
         if CHUNKED:  # the group sums over all chunks (recomputed by each chunk's program)
             mu, r = _group_stats(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, pid_g, rows, rmask, C, G, PER,
-                                 EPS, BLOCK_G, BLOCK_P)
+                                 inv, EPS, BLOCK_G, BLOCK_P)
             sgs = tl.zeros([BLOCK_N, BLOCK_G], dtype=dt)  # sum_g gs (gamma^c)
             sgb = tl.zeros([BLOCK_N, BLOCK_G], dtype=dt)  # sum_g gb (gamma^c)
             sd = tl.zeros([BLOCK_N, BLOCK_G], dtype=dt)  # sum_g d (0 up to rounding)
@@ -207,20 +208,25 @@ def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_p
                 acc_gb += sgb
                 sgs, sgb = sgs * w, sgb * w
             # r = (var_g + eps)^-1/2 with var_g = mean over the group of (u_v + d^2)
-            dvg = (sgs * r * r * r) * -0.5 / PER
-            mean_gd = (r * sgb + 2.0 * dvg * sd[:, :, None]) / PER  # mean_g(gb s + 2 d dvg)
+            dvg = (sgs * r * r * r) * (-0.5 * inv)
+            mean_gd = (r * sgb + 2.0 * dvg * sd[:, :, None]) * inv  # mean_g(gb s + 2 d dvg)
+            ga = tl.load(ga_ptr + off, mask=mask, other=0.0).to(dt)
+            gb = tl.load(gb_ptr + off, mask=mask, other=0.0).to(dt)
             mc, um = _um(m_ptr, off, mask, mean, a, bb)
             d = tl.where(mask, um - mu, 0.0)
             s = r * w
             gs = ga * a + gb * d
         else:  # whole groups in the tile
             mc, um = _um(m_ptr, off, mask, mean, a, bb)
-            d = tl.where(mask, um - (tl.sum(um, axis=2) / PER)[:, :, None], 0.0)
-            r = rsqrt(tl.sum(v * (a * a) + d * d, axis=2) / PER + EPS)[:, :, None]
+            d = tl.where(mask, um - (tl.sum(um, axis=2) * inv)[:, :, None], 0.0)
+            r = rsqrt(tl.sum(v * (a * a) + d * d, axis=2) * inv + EPS)[:, :, None]
+            # loaded after the division: fewer live registers around its float64 slow-path call (no spills)
+            ga = tl.load(ga_ptr + off, mask=mask, other=0.0).to(dt)
+            gb = tl.load(gb_ptr + off, mask=mask, other=0.0).to(dt)
             s = r * w
             gs = ga * a + gb * d  # d loss / d s; zero on padding lanes
-            dvg = (tl.sum(gs * w, axis=2)[:, :, None] * r * r * r) * -0.5 / PER
-            mean_gd = tl.sum(tl.where(mask, gb * s + 2.0 * d * dvg, 0.0), axis=2)[:, :, None] / PER
+            dvg = (tl.sum(gs * w, axis=2)[:, :, None] * r * r * r) * (-0.5 * inv)
+            mean_gd = tl.sum(tl.where(mask, gb * s + 2.0 * d * dvg, 0.0), axis=2)[:, :, None] * inv
         da, dum, dm = _vjp_out(dm_ptr, dv_ptr, off, mask, mc, d, ga, gb, v, a, r, s, dvg, mean_gd)
         acc_dw += gs * r  # summed over the group below for a per-group gamma^c
         acc_db += gb
@@ -261,7 +267,7 @@ def _blocks(n: int, c: int, num_groups: int):
     else:
         block_g = min(triton.next_power_of_2(num_groups), max(1, _CHANNELS // block_p))
     block_n = min(triton.next_power_of_2(n), max(1, _TILE // (block_g * block_p)))
-    num_warps = max(1, min(4, block_n * block_g * block_p // 128))
+    num_warps = max(1, min(8, block_n * block_g * block_p // 64))
     return per, chunked, block_n, block_g, block_p, num_warps
 
 
