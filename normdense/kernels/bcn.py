@@ -267,6 +267,8 @@ def _blocks(n: int, c: int, num_groups: int):
     else:
         block_g = min(triton.next_power_of_2(num_groups), max(1, _CHANNELS // block_p))
     block_n = min(triton.next_power_of_2(n), max(1, _TILE // (block_g * block_p)))
+    if chunked:  # N = 1 too: ptxas spilled a few bytes of the chunked VJP at [1, 1, 256] (float32, 4 warps)
+        block_n = max(2, block_n)
     num_warps = max(1, min(8, block_n * block_g * block_p // 64))
     return per, chunked, block_n, block_g, block_p, num_warps
 

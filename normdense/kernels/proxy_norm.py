@@ -29,7 +29,7 @@ __all__ = ['coeff_map', 'coeff_vjp']
 
 _CHANNELS = 64  # channels per program (whole groups), when the groups are smaller
 _TILE = 512  # elements of a [BLOCK_N, BLOCK_G, BLOCK_P] tile of the GN stage
-_PROXY_TILE = 2048  # elements of a [groups, channels, samples] tile of the proxy
+_PROXY_TILE = 1024  # elements of a [groups, channels, samples] tile of the proxy (8 warps: no spills in float64)
 CHUNK = 256  # a group of more channels is walked in chunks of this many (module-level: the tests lower it)
 
 
@@ -44,7 +44,9 @@ def _blocks(n: int, groups: int, per: int, samples: int):
         bg = max(1, min(triton.next_power_of_2(groups), _CHANNELS // bp))
     bs = max(1, min(triton.next_power_of_2(samples), _PROXY_TILE // (bg * bp)))
     bn = min(triton.next_power_of_2(n), max(1, _TILE // (bg * bp)))
-    return chunked, bn, bg, bp, bs, 4
+    if chunked:  # as BCN's: N = 1 too (ptxas spilled a few bytes of BCN's chunked VJP at [1, 1, 256])
+        bn = max(2, bn)
+    return chunked, bn, bg, bp, bs, 8
 
 
 @triton.jit

@@ -40,41 +40,42 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bi
 
 def _shapes(quick):
     """(N, C, groups): every channels-per-group count at C = per (one group), C = 64 and C = 4096 where
-    they hold it, each at every batch size; --quick: the largest tiles and the chunked groups only."""
+    they hold it, each at every batch size; --quick: the largest tiles and a chunked group."""
     out = []
     for per in PER:
         for c in sorted({per, max(per, 64), 4096}):
             for n in BATCH:
                 out.append((n, c, c // per))
-    if quick:
-        out = [s for s in out if s[0] == 256 and (s[1] // s[2] >= 256 or s[1] == 4096 or s[1] // s[2] == 8)]
+    if quick:  # one group of 4096 (chunked), groups of 256 (the widest unchunked), 64 x 1 (the largest tile)
+        out = [(256, 4096, 1), (2, 4096, 16), (256, 64, 64)]
     return out
 
 
-def _bcn(n, c, g, dtype):
+def _bcn(n, c, g, dtype, quick=False):
     from normdense.layers.bcn import BatchChannelNorm2d
     for group_affine in (True, False):
         layer = BatchChannelNorm2d(c, num_groups=g, group_affine=group_affine).to(dtype)
         yield layer
 
 
-def _unitization(n, c, g, dtype):
+def _unitization(n, c, g, dtype, quick=False):
     from normdense.layers import Unitization2d
     if g == 1:  # Unitization has no groups: its blocks are keyed on C alone
         for affine in (True, False):
             yield Unitization2d(c, affine=affine).to(dtype)
 
 
-def _proxy_norm(n, c, g, dtype):
+def _proxy_norm(n, c, g, dtype, quick=False):
     from normdense.layers.proxy_norm import GroupProxyNorm
-    for act, scaling, affine in (('relu', True, True), ('mish', True, True), ('gelu', False, False)):
+    options = (('relu', True, True), ('mish', True, True), ('gelu', False, False))
+    for act, scaling, affine in options[:1] if quick else options:
         yield GroupProxyNorm(c, num_groups=g, act=act, proxy_scaling=scaling, proxy_affine=affine).to(dtype)
 
 
 LAYERS = {'bcn': _bcn, 'unitization': _unitization, 'proxy_norm': _proxy_norm}
 
 
-def record(layers, dtypes, shapes):
+def record(layers, dtypes, shapes, quick=False):
     """{key: (fn, signature, constexprs, num_warps)} of the coefficient kernels' launches."""
     variants = {}
 
@@ -99,7 +100,7 @@ def record(layers, dtypes, shapes):
         for dtype in dtypes:
             for n, c, g in shapes:
                 for name in layers:
-                    for layer in LAYERS[name](n, c, g, dtype):
+                    for layer in LAYERS[name](n, c, g, dtype, quick):
                         m = torch.randn(n, c, dtype=dtype)
                         v = torch.rand(n, c, dtype=dtype)
                         mean, var = torch.zeros(c, dtype=dtype), torch.ones(c, dtype=dtype)
@@ -140,9 +141,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--layers', nargs='+', default=list(LAYERS))
     parser.add_argument('--dtypes', nargs='+', default=['float32', 'float64'])
-    parser.add_argument('--quick', action='store_true', help='the largest tiles and chunked groups only')
+    parser.add_argument('--quick', action='store_true',
+                        help='three shapes (the largest tiles, a chunked group), GN+PN with relu only')
     args = parser.parse_args()
-    variants = record(args.layers, [getattr(torch, d) for d in args.dtypes], _shapes(args.quick))
+    variants = record(args.layers, [getattr(torch, d) for d in args.dtypes], _shapes(args.quick), args.quick)
     target = GPUTarget('cuda', 90, 32)
     failed = 0
     with tempfile.TemporaryDirectory() as workdir:
