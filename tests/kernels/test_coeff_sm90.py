@@ -1,7 +1,8 @@
 """The layers' channel-sized coefficient kernels (BCN, Unitization, GN+PN: map and VJP) compiled for an H100
 (sm_90) on the CPU (tests/kernels/coeff_sm90.py): float64 variants hold no approximate instruction
 (``tl.rsqrt`` is ``rsqrt.approx.f64`` there: the interpreter's float64 results would not hold on a GPU), and no
-variant spills registers (bundled ptxas -v), at the largest tiles and a chunked group of 4096 channels."""
+variant spills registers (bundled ptxas -v), at the largest tiles and a chunked group of 4096 channels (the
+full sweep over channels per group, C and N: ``python tests/kernels/coeff_sm90.py``)."""
 import os
 import subprocess
 import sys
