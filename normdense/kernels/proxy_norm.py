@@ -9,12 +9,14 @@ Dependence", arXiv:2106.03743, Eq. 7 and App. B. Per (n, c), from the moments m,
                   K = 1 / sqrt(Var_q[phi(z)] + eps_pn),   L = -E_q[phi(z)] K   (K = 1, L = -E_q[phi(z)] without
                   proxy scaling)
 
-Layout: one program per block of whole groups, a [BLOCK_G, BLOCK_P] tile of (group, channel in the group) that
-loops over the N samples (the GN stage, and in the VJP the sums over N of the parameter gradients, so no
-atomics), and the proxy moments of the same channels over [BLOCK_G, BLOCK_P, BLOCK_S] tiles of the quantiles
-(they depend only on parameters: recomputed in the VJP rather than stored). The block sizes depend only on the
-channels per group, the number of groups and the number of samples. A group is held whole in a tile: channels
-per group up to a few thousand (LN+PN of C <= 4096).
+Layout: [BLOCK_N, BLOCK_G, BLOCK_P] tiles of (sample, group, channel in the group) for the GN stage, so the
+per-(n, g) statistics are reductions along the last axis: the map on a 2-D grid of (group block, sample block)
+programs; the VJP one program per block of channels, summing the parameter gradients over N in BLOCK_N steps
+(fixed order, no atomics). The proxy moments of the same channels use [BLOCK_G, BLOCK_P, BLOCK_S] tiles of the
+quantiles (they depend only on parameters: recomputed by each program rather than stored). A group wider than
+``CHUNK`` channels (LN+PN) is walked in chunks (passes for the group sums, then the outputs); its VJP runs one
+program per (group, chunk), each recomputing the group sums. Block sizes come from a fixed menu keyed on the
+sizes. In float64, 1 / sqrt is correctly rounded (``tl.rsqrt`` is ``rsqrt.approx.f64`` on sm_90).
 
 The float configuration (eps, proxy_eps, the activation's parameters) is ``tl.constexpr``: a runtime float
 argument is float32 on the GPU and would round them in float64 computations.
