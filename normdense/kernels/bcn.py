@@ -8,134 +8,269 @@ For per-(n, c) moments m, v of x and first-stage statistics mean, var (C,):
     d = u_m - mean_g(u_m),  r = (mean_g(u_v + d^2) + eps)^-1/2,  s = gamma^c r          (Eq. 42)
     A = s a,  B = s d + beta^c                                   (y = A (x - m) + B)
 
-with gamma^c, beta^c per group (``group_affine``) or per channel. Layout: a 1-D grid over blocks of whole
-groups, a [BLOCK_G, BLOCK_P] tile of (group, channel in group); each program loops over the N samples, so
-the per-(n, g) statistics are reductions along the tile's second axis, and the per-channel / per-group
-gradients (sums over N) are accumulated in registers by the one program that owns them: deterministic, no
-atomics. The VJP recomputes d, r, s from its inputs instead of storing them.
+with gamma^c, beta^c per group (``group_affine``) or per channel.
+
+Layout: [BLOCK_N, BLOCK_G, BLOCK_P] tiles of (sample, group, channel in group), so the per-(n, g) statistics
+are reductions along the last axis. The map has no dependence across samples: a 2-D grid of (group block,
+sample block) programs. The VJP's per-channel gradients are sums over N: one program owns its channels and
+sums over all N in BLOCK_N steps (fixed order: deterministic, no atomics). A group of more than ``CHUNK``
+channels is walked in chunks of CHUNK channels (passes for the group sums, then one for the outputs) so no
+tile outgrows the registers; then the VJP runs one program per (group, chunk), each recomputing the group
+sums over all chunks (channel-sized work: no second launch). The VJP recomputes d, r, s from its inputs.
+In float64, 1 / sqrt is correctly rounded (``tl.rsqrt`` is ``rsqrt.approx.f64`` on sm_90).
 """
 import torch
 import triton
 import triton.language as tl
 
-_TILE = 128  # elements of a program's (group, channel) tile: several programs at C = 256 and up
-_MAX_PER_GROUP = 4096  # a whole group is one tile row (bounded registers on a GPU)
+_CHANNELS = 128  # channels (whole groups) of a tile when the groups are small
+_TILE = 512  # elements of a [BLOCK_N, BLOCK_G, BLOCK_P] tile: no register spills in float64 (ptxas -v)
+CHUNK = 256  # a group of more channels is walked in chunks of this many (module-level: the tests lower it)
 
 
 @triton.jit
-def _channel_affine(ptr, grp, gmask, ch, mask, dt, GROUP_AFFINE: tl.constexpr):
-    """The channel stage's gamma^c or beta^c on the tile: per group (Eq. 42) or per channel."""
-    if GROUP_AFFINE:
-        out = tl.load(ptr + grp, mask=gmask, other=0.0).to(dt)
+def rsqrt(x):
+    """1 / sqrt(x): sqrt.rn.f64 and div.rn.f64 in float64 (exact as torch's), the fast tl.rsqrt in float32."""
+    if x.dtype == tl.float64:
+        out = 1.0 / tl.sqrt(x)
     else:
-        out = tl.load(ptr + ch, mask=mask, other=0.0).to(dt)
+        out = tl.rsqrt(x)
     return out
 
 
 @triton.jit
-def _first_stage(mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, G, PER, EPS: tl.constexpr, GROUP_AFFINE: tl.constexpr,
-                 BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
-    """The program's tile of whole groups (grp, gmask, mask, ch) and what Eq. 40 needs per channel: mean,
-    1 / sqrt(var + eps) (EPS constexpr: exact in float64; a float argument would be float32), gamma^b, beta^b;
-    and gamma^c. Everything in the compute dtype (mean's: m's); parameters may come in another one."""
-    grp = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)[:, None]
-    j = tl.arange(0, BLOCK_P)[None, :]
+def _channels(pid_g, p0, G, PER, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
+    """[1, BLOCK_G, BLOCK_P] channel tile: groups of program pid_g, channels p0 .. p0 + BLOCK_P of each."""
+    grp = pid_g * BLOCK_G + tl.arange(0, BLOCK_G)[None, :, None]
+    j = p0 + tl.arange(0, BLOCK_P)[None, None, :]
     gmask = grp < G
-    mask = gmask & (j < PER)
-    ch = grp * PER + j
-    mean = tl.load(mean_ptr + ch, mask=mask, other=0.0)
-    dt = mean.dtype
-    rs = tl.rsqrt(tl.load(var_ptr + ch, mask=mask, other=0.0).to(dt) + EPS)
-    bw = tl.load(bw_ptr + ch, mask=mask, other=0.0).to(dt)
-    bb = tl.load(bb_ptr + ch, mask=mask, other=0.0).to(dt)
-    return grp, gmask, mask, ch, mean, rs, bw, bb, _channel_affine(w_ptr, grp, gmask, ch, mask, dt, GROUP_AFFINE)
+    return grp, gmask, grp * PER + j, gmask & (j < PER)
+
+
+@triton.jit
+def _first_stage(mean_ptr, var_ptr, bw_ptr, bb_ptr, ch, cmask, dt, EPS: tl.constexpr):
+    """Per channel (Eq. 40): mean, rs = 1 / sqrt(var + eps) (EPS constexpr: exact in float64; a float argument
+    would be float32), gamma^b, beta^b, in the compute dtype dt (parameters may come in another one)."""
+    mean = tl.load(mean_ptr + ch, mask=cmask, other=0.0).to(dt)
+    rs = rsqrt(tl.load(var_ptr + ch, mask=cmask, other=0.0).to(dt) + EPS)
+    bw = tl.load(bw_ptr + ch, mask=cmask, other=0.0).to(dt)
+    bb = tl.load(bb_ptr + ch, mask=cmask, other=0.0).to(dt)
+    return mean, rs, bw, bb
+
+
+@triton.jit
+def _channel_affine(ptr, grp, gmask, ch, cmask, dt, GROUP_AFFINE: tl.constexpr):
+    """The channel stage's gamma^c or beta^c on the tile: per group (Eq. 42) or per channel."""
+    if GROUP_AFFINE:
+        out = tl.load(ptr + grp, mask=gmask, other=0.0).to(dt)
+    else:
+        out = tl.load(ptr + ch, mask=cmask, other=0.0).to(dt)
+    return out
+
+
+@triton.jit
+def _um(m_ptr, off, mask, mean, a, bb):
+    """(m, m - mean, u_m) on a tile; u_m = 0 off the mask (out of the group sums)."""
+    m = tl.load(m_ptr + off, mask=mask, other=0.0)
+    mc = m - mean
+    return mc, tl.where(mask, mc * a + bb, 0.0)
+
+
+@triton.jit
+def _group_stats(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, pid_g, rows, rmask, C, G, PER, inv,
+                 EPS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
+    """mean_g(u_m) and r ([BLOCK_N, BLOCK_G, 1]) of a chunked group: two passes over its chunks (the
+    centred second one, as the torch method: no cancellation)."""
+    dt = m_ptr.dtype.element_ty
+    su = tl.zeros([rows.shape[0], BLOCK_G], dtype=dt)
+    for p0 in range(0, PER, BLOCK_P):
+        grp, gmask, ch, cmask = _channels(pid_g, p0, G, PER, BLOCK_G, BLOCK_P)
+        mean, rs, bw, bb = _first_stage(mean_ptr, var_ptr, bw_ptr, bb_ptr, ch, cmask, dt, EPS)
+        mc, um = _um(m_ptr, rows * C + ch, rmask & cmask, mean, bw * rs, bb)
+        su += tl.sum(um, axis=2)
+    mu = (su * inv)[:, :, None]
+    sq = tl.zeros([rows.shape[0], BLOCK_G], dtype=dt)
+    for p0 in range(0, PER, BLOCK_P):
+        grp, gmask, ch, cmask = _channels(pid_g, p0, G, PER, BLOCK_G, BLOCK_P)
+        mean, rs, bw, bb = _first_stage(mean_ptr, var_ptr, bw_ptr, bb_ptr, ch, cmask, dt, EPS)
+        mask = rmask & cmask
+        a = bw * rs
+        mc, um = _um(m_ptr, rows * C + ch, mask, mean, a, bb)
+        d = tl.where(mask, um - mu, 0.0)
+        v = tl.load(v_ptr + rows * C + ch, mask=mask, other=0.0)
+        sq += tl.sum(v * (a * a) + d * d, axis=2)
+    return mu, rsqrt(sq * inv + EPS)[:, :, None]
 
 
 @triton.jit(do_not_specialize=['N', 'C', 'G', 'PER'])
 def _bcn_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, b_ptr, a_ptr, bo_ptr,
-                    N, C, G, PER, EPS: tl.constexpr, GROUP_AFFINE: tl.constexpr,
-                    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
-    grp, gmask, mask, ch, mean, rs, bw, bb, w = _first_stage(mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, G, PER, EPS,
-                                                             GROUP_AFFINE, BLOCK_G, BLOCK_P)
-    b = _channel_affine(b_ptr, grp, gmask, ch, mask, mean.dtype, GROUP_AFFINE)
-    a = bw * rs
-    a2 = a * a
-    for n in range(0, N):
-        off = n * C + ch
-        m = tl.load(m_ptr + off, mask=mask, other=0.0)
+                    N, C, G, PER, EPS: tl.constexpr, GROUP_AFFINE: tl.constexpr, CHUNKED: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
+    pid_g = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]
+    rmask = rows < N
+    dt = m_ptr.dtype.element_ty
+    inv = 1.0 / tl.cast(PER, dt)  # one division (a float64 one is a subroutine call: register saves)
+    if CHUNKED:
+        mu, r = _group_stats(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, pid_g, rows, rmask, C, G, PER,
+                             inv, EPS, BLOCK_G, BLOCK_P)
+        for p0 in range(0, PER, BLOCK_P):
+            grp, gmask, ch, cmask = _channels(pid_g, p0, G, PER, BLOCK_G, BLOCK_P)
+            mean, rs, bw, bb = _first_stage(mean_ptr, var_ptr, bw_ptr, bb_ptr, ch, cmask, dt, EPS)
+            w = _channel_affine(w_ptr, grp, gmask, ch, cmask, dt, GROUP_AFFINE)
+            b = _channel_affine(b_ptr, grp, gmask, ch, cmask, dt, GROUP_AFFINE)
+            mask = rmask & cmask
+            a = bw * rs
+            mc, um = _um(m_ptr, rows * C + ch, mask, mean, a, bb)
+            s = r * w
+            tl.store(a_ptr + rows * C + ch, s * a, mask=mask)
+            tl.store(bo_ptr + rows * C + ch, s * (um - mu) + b, mask=mask)
+    else:  # whole groups in the tile: one load of everything
+        grp, gmask, ch, cmask = _channels(pid_g, 0, G, PER, BLOCK_G, BLOCK_P)
+        mean, rs, bw, bb = _first_stage(mean_ptr, var_ptr, bw_ptr, bb_ptr, ch, cmask, dt, EPS)
+        mask = rmask & cmask
+        off = rows * C + ch
+        a = bw * rs
+        mc, um = _um(m_ptr, off, mask, mean, a, bb)
+        d = tl.where(mask, um - (tl.sum(um, axis=2) * inv)[:, :, None], 0.0)
         v = tl.load(v_ptr + off, mask=mask, other=0.0)
-        um = (m - mean) * a + bb
-        d = tl.where(mask, um - (tl.sum(um, axis=1) / PER)[:, None], 0.0)  # padding lanes out of the sums
-        r = tl.rsqrt(tl.sum(v * a2 + d * d, axis=1) / PER + EPS)[:, None]
+        r = rsqrt(tl.sum(v * (a * a) + d * d, axis=2) * inv + EPS)[:, :, None]
+        # loaded after the division: fewer live registers around its float64 slow-path call (no spills)
+        w = _channel_affine(w_ptr, grp, gmask, ch, cmask, dt, GROUP_AFFINE)
+        b = _channel_affine(b_ptr, grp, gmask, ch, cmask, dt, GROUP_AFFINE)
         s = r * w
         tl.store(a_ptr + off, s * a, mask=mask)
         tl.store(bo_ptr + off, s * d + b, mask=mask)
+
+
+@triton.jit
+def _vjp_out(dm_ptr, dv_ptr, off, mask, mc, d, ga, gb, v, a, r, s, dvg, mean_gd):
+    """The per-(n, c) gradients of a tile from its group's r, s, dvg = d loss / d var_g / P and mean_g(gd);
+    returns what the tile adds to the per-channel sums (d a, d beta^b, d m)."""
+    gd = gb * s + 2.0 * d * dvg
+    dum = tl.where(mask, gd - mean_gd, 0.0)  # d = u_m - mean_g(u_m)
+    dm = dum * a
+    tl.store(dm_ptr + off, dm, mask=mask)
+    tl.store(dv_ptr + off, dvg * (a * a), mask=mask)
+    # a enters A = s a, u_m = a mc + beta^b and u_v = a^2 v
+    return ga * s + dum * mc + 2.0 * (dvg * v) * a, dum, dm
 
 
 @triton.jit(do_not_specialize=['N', 'C', 'G', 'PER'])
 def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_ptr, gb_ptr,
                     dm_ptr, dv_ptr, dmean_ptr, dvar_ptr, dbw_ptr, dbb_ptr, dw_ptr, db_ptr,
                     N, C, G, PER, EPS: tl.constexpr, GROUP_AFFINE: tl.constexpr, WANTS_STATS: tl.constexpr,
-                    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
-    grp, gmask, mask, ch, mean, rs, bw, bb, w = _first_stage(mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, G, PER, EPS,
-                                                             GROUP_AFFINE, BLOCK_G, BLOCK_P)
-    dt = mean.dtype
+                    CHUNKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
+    pid_g = tl.program_id(0)
+    dt = m_ptr.dtype.element_ty
+    inv = 1.0 / tl.cast(PER, dt)
+    # this program's channels: whole groups, or (CHUNKED) chunk program_id(1) of one group
+    grp, gmask, ch, cmask = _channels(pid_g, tl.program_id(1) * BLOCK_P, G, PER, BLOCK_G, BLOCK_P)
+    mean, rs, bw, bb = _first_stage(mean_ptr, var_ptr, bw_ptr, bb_ptr, ch, cmask, dt, EPS)
+    w = _channel_affine(w_ptr, grp, gmask, ch, cmask, dt, GROUP_AFFINE)
     a = bw * rs
-    a2 = a * a
-    zero = tl.zeros([BLOCK_G, BLOCK_P], dtype=dt)
+    zero = tl.zeros([BLOCK_N, BLOCK_G, BLOCK_P], dtype=dt)
     acc_dw, acc_db, acc_da, acc_dbb, acc_dm = zero, zero, zero, zero, zero  # per-channel sums over N
-    for n in range(0, N):
-        off = n * C + ch
-        m = tl.load(m_ptr + off, mask=mask, other=0.0)
+    acc_gw = tl.zeros([BLOCK_N, BLOCK_G, 1], dtype=dt)  # CHUNKED, GROUP_AFFINE: per-group sums over N
+    acc_gb = tl.zeros([BLOCK_N, BLOCK_G, 1], dtype=dt)
+    for n0 in range(0, N, BLOCK_N):
+        rows = n0 + tl.arange(0, BLOCK_N)[:, None, None]
+        rmask = rows < N
+        mask = rmask & cmask
+        off = rows * C + ch
         v = tl.load(v_ptr + off, mask=mask, other=0.0)
-        ga = tl.load(ga_ptr + off, mask=mask, other=0.0).to(dt)
-        gb = tl.load(gb_ptr + off, mask=mask, other=0.0).to(dt)
-        # the forward's per-(n, g) quantities, recomputed
-        mc = m - mean
-        um = mc * a + bb
-        d = tl.where(mask, um - (tl.sum(um, axis=1) / PER)[:, None], 0.0)
-        r = tl.rsqrt(tl.sum(v * a2 + d * d, axis=1) / PER + EPS)[:, None]
-        s = r * w
-        gs = ga * a + gb * d  # d loss / d s; zero on padding lanes
+        if CHUNKED:  # the group sums over all chunks (recomputed by each chunk's program)
+            mu, r = _group_stats(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, pid_g, rows, rmask, C, G, PER,
+                                 inv, EPS, BLOCK_G, BLOCK_P)
+            sgs = tl.zeros([BLOCK_N, BLOCK_G], dtype=dt)  # sum_g gs (gamma^c)
+            sgb = tl.zeros([BLOCK_N, BLOCK_G], dtype=dt)  # sum_g gb (gamma^c)
+            sd = tl.zeros([BLOCK_N, BLOCK_G], dtype=dt)  # sum_g d (0 up to rounding)
+            for p0 in range(0, PER, BLOCK_P):
+                grp_j, gmask_j, ch_j, cmask_j = _channels(pid_g, p0, G, PER, BLOCK_G, BLOCK_P)
+                mean_j, rs_j, bw_j, bb_j = _first_stage(mean_ptr, var_ptr, bw_ptr, bb_ptr, ch_j, cmask_j, dt, EPS)
+                mask_j = rmask & cmask_j
+                a_j = bw_j * rs_j
+                mc_j, um_j = _um(m_ptr, rows * C + ch_j, mask_j, mean_j, a_j, bb_j)
+                d_j = tl.where(mask_j, um_j - mu, 0.0)
+                ga_j = tl.load(ga_ptr + rows * C + ch_j, mask=mask_j, other=0.0).to(dt)
+                gb_j = tl.load(gb_ptr + rows * C + ch_j, mask=mask_j, other=0.0).to(dt)
+                gs_j = ga_j * a_j + gb_j * d_j
+                if not GROUP_AFFINE:
+                    w_j = tl.load(w_ptr + ch_j, mask=cmask_j, other=0.0).to(dt)
+                    gs_j = gs_j * w_j
+                    gb_j = gb_j * w_j
+                sgs += tl.sum(gs_j, axis=2)
+                sgb += tl.sum(gb_j, axis=2)
+                sd += tl.sum(d_j, axis=2)
+            sgs, sgb = sgs[:, :, None], sgb[:, :, None]
+            if GROUP_AFFINE:
+                acc_gw += sgs * r
+                acc_gb += sgb
+                sgs, sgb = sgs * w, sgb * w
+            # r = (var_g + eps)^-1/2 with var_g = mean over the group of (u_v + d^2)
+            dvg = (sgs * r * r * r) * (-0.5 * inv)
+            mean_gd = (r * sgb + 2.0 * dvg * sd[:, :, None]) * inv  # mean_g(gb s + 2 d dvg)
+            ga = tl.load(ga_ptr + off, mask=mask, other=0.0).to(dt)
+            gb = tl.load(gb_ptr + off, mask=mask, other=0.0).to(dt)
+            mc, um = _um(m_ptr, off, mask, mean, a, bb)
+            d = tl.where(mask, um - mu, 0.0)
+            s = r * w
+            gs = ga * a + gb * d
+        else:  # whole groups in the tile
+            mc, um = _um(m_ptr, off, mask, mean, a, bb)
+            d = tl.where(mask, um - (tl.sum(um, axis=2) * inv)[:, :, None], 0.0)
+            r = rsqrt(tl.sum(v * (a * a) + d * d, axis=2) * inv + EPS)[:, :, None]
+            # loaded after the division: fewer live registers around its float64 slow-path call (no spills)
+            ga = tl.load(ga_ptr + off, mask=mask, other=0.0).to(dt)
+            gb = tl.load(gb_ptr + off, mask=mask, other=0.0).to(dt)
+            s = r * w
+            gs = ga * a + gb * d  # d loss / d s; zero on padding lanes
+            dvg = (tl.sum(gs * w, axis=2)[:, :, None] * r * r * r) * (-0.5 * inv)
+            mean_gd = tl.sum(tl.where(mask, gb * s + 2.0 * d * dvg, 0.0), axis=2)[:, :, None] * inv
+        da, dum, dm = _vjp_out(dm_ptr, dv_ptr, off, mask, mc, d, ga, gb, v, a, r, s, dvg, mean_gd)
         acc_dw += gs * r  # summed over the group below for a per-group gamma^c
         acc_db += gb
-        # r = (var_g + eps)^-1/2 with var_g = mean over the group of (u_v + d^2)
-        dvg = (tl.sum(gs * w, axis=1)[:, None] * r * r * r) * -0.5 / PER
-        gd = gb * s + 2.0 * d * dvg
-        dum = tl.where(mask, gd - (tl.sum(gd, axis=1) / PER)[:, None], 0.0)  # d = u_m - mean_g(u_m)
-        dm = dum * a
-        tl.store(dm_ptr + off, dm, mask=mask)
-        tl.store(dv_ptr + off, dvg * a2, mask=mask)
-        # a enters A = s a, u_m = a mc + beta^b and u_v = a^2 v
-        acc_da += ga * s + dum * mc + 2.0 * (dvg * v) * a
+        acc_da += da
         acc_dbb += dum
         if WANTS_STATS:
             acc_dm += dm
-    tl.store(dbw_ptr + ch, acc_da * rs, mask=mask)
-    tl.store(dbb_ptr + ch, acc_dbb, mask=mask)
+    acc_da = tl.sum(acc_da, axis=0, keep_dims=True)
+    tl.store(dbw_ptr + ch, acc_da * rs, mask=cmask)
+    tl.store(dbb_ptr + ch, tl.sum(acc_dbb, axis=0, keep_dims=True), mask=cmask)
     if WANTS_STATS:  # batch statistics: the engine chains dmean, dvar into the moments
-        tl.store(dmean_ptr + ch, -acc_dm, mask=mask)
-        tl.store(dvar_ptr + ch, acc_da * bw * (rs * rs * rs) * -0.5, mask=mask)
+        tl.store(dmean_ptr + ch, -tl.sum(acc_dm, axis=0, keep_dims=True), mask=cmask)
+        tl.store(dvar_ptr + ch, acc_da * bw * (rs * rs * rs) * -0.5, mask=cmask)
     if GROUP_AFFINE:
-        tl.store(dw_ptr + grp, tl.sum(acc_dw, axis=1)[:, None], mask=gmask)
-        tl.store(db_ptr + grp, tl.sum(acc_db, axis=1)[:, None], mask=gmask)
+        if CHUNKED:  # every chunk's program holds the group's sums: the first one stores them
+            gmask = gmask & (tl.program_id(1) == 0)
+            gw, gbs = tl.sum(acc_gw, axis=0, keep_dims=True), tl.sum(acc_gb, axis=0, keep_dims=True)
+        else:
+            gw = tl.sum(tl.sum(acc_dw, axis=2, keep_dims=True), axis=0, keep_dims=True)
+            gbs = tl.sum(tl.sum(acc_db, axis=2, keep_dims=True), axis=0, keep_dims=True)
+        tl.store(dw_ptr + grp, gw, mask=gmask)
+        tl.store(db_ptr + grp, gbs, mask=gmask)
     else:
-        tl.store(dw_ptr + ch, acc_dw, mask=mask)
-        tl.store(db_ptr + ch, acc_db, mask=mask)
+        tl.store(dw_ptr + ch, tl.sum(acc_dw, axis=0, keep_dims=True), mask=cmask)
+        tl.store(db_ptr + ch, tl.sum(acc_db, axis=0, keep_dims=True), mask=cmask)
 
 
-def _blocks(c: int, num_groups: int):
-    """(per, BLOCK_G, BLOCK_P, grid, num_warps) from the fixed menu keyed on channels per group."""
+def _blocks(n: int, c: int, num_groups: int):
+    """(per, CHUNKED, BLOCK_N, BLOCK_G, BLOCK_P, num_warps) from a fixed menu keyed on the sizes (powers of 2:
+    a few compiled variants, none per batch size)."""
     if num_groups <= 0 or c % num_groups:
         raise ValueError(f'BCN kernels: num_groups={num_groups} must be positive and divide C={c}')
     per = c // num_groups
-    if per > _MAX_PER_GROUP:
-        raise ValueError(f'BCN kernels hold a whole group in one tile: {per} channels per group is over '
-                         f'{_MAX_PER_GROUP}')
     block_p = triton.next_power_of_2(per)
-    block_g = min(triton.next_power_of_2(num_groups), max(1, _TILE // block_p))
-    num_warps = max(1, min(8, block_g * block_p // 128))
-    return per, block_g, block_p, (triton.cdiv(num_groups, block_g), ), num_warps
+    chunked = block_p > CHUNK
+    if chunked:
+        block_p, block_g = CHUNK, 1
+    else:
+        block_g = min(triton.next_power_of_2(num_groups), max(1, _CHANNELS // block_p))
+    block_n = min(triton.next_power_of_2(n), max(1, _TILE // (block_g * block_p)))
+    if chunked:  # N = 1 too: ptxas spilled a few bytes of the chunked VJP at [1, 1, 256] (float32, 4 warps)
+        block_n = max(2, block_n)
+    num_warps = max(1, min(8, block_n * block_g * block_p // 64))
+    return per, chunked, block_n, block_g, block_p, num_warps
 
 
 def coeff_map(m, v, mean, var, params, positions, count, *, num_groups: int, eps: float, group_affine: bool):
@@ -145,11 +280,12 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups: int, eps
     bw, bb, w, b = (p.contiguous() for p in params)
     m, v, mean, var = m.contiguous(), v.contiguous(), mean.contiguous(), var.contiguous()
     n, c = m.shape
-    per, block_g, block_p, grid, warps = _blocks(c, num_groups)
+    per, chunked, block_n, block_g, block_p, warps = _blocks(n, c, num_groups)
     a_out, b_out = torch.empty_like(m), torch.empty_like(m)
+    grid = (triton.cdiv(num_groups, block_g), triton.cdiv(n, block_n))
     _bcn_map_kernel[grid](m, v, mean, var, bw, bb, w, b, a_out, b_out, n, c, num_groups, per,
-                          EPS=float(eps), GROUP_AFFINE=bool(group_affine), BLOCK_G=block_g, BLOCK_P=block_p,
-                          num_warps=warps)
+                          EPS=float(eps), GROUP_AFFINE=bool(group_affine), CHUNKED=chunked, BLOCK_N=block_n,
+                          BLOCK_G=block_g, BLOCK_P=block_p, num_warps=warps)
     return (a_out, b_out), (m, v, mean, var, bw, bb, w, b)
 
 
@@ -160,14 +296,15 @@ def coeff_vjp(res, grads, wants_stats, *, num_groups: int, eps: float, group_aff
     m, v, mean, var, bw, bb, w, b = res
     ga, gb = (t.contiguous() for t in grads)
     n, c = m.shape
-    per, block_g, block_p, grid, warps = _blocks(c, num_groups)
+    per, chunked, block_n, block_g, block_p, warps = _blocks(n, c, num_groups)
     dm, dv = torch.empty_like(m), torch.empty_like(m)
     dbw, dbb = m.new_empty(c), m.new_empty(c)
     dw, db = m.new_empty(w.shape), m.new_empty(b.shape)
     dmean, dvar = (m.new_empty(c), m.new_empty(c)) if wants_stats else (None, None)
+    grid = (triton.cdiv(num_groups, block_g), triton.cdiv(per, block_p) if chunked else 1)
     _bcn_vjp_kernel[grid](m, v, mean, var, bw, bb, w, ga, gb, dm, dv,
                           dbw if dmean is None else dmean, dbw if dvar is None else dvar,  # unused if not wanted
                           dbw, dbb, dw, db, n, c, num_groups, per, EPS=float(eps),
-                          GROUP_AFFINE=bool(group_affine), WANTS_STATS=bool(wants_stats),
-                          BLOCK_G=block_g, BLOCK_P=block_p, num_warps=warps)
+                          GROUP_AFFINE=bool(group_affine), WANTS_STATS=bool(wants_stats), CHUNKED=chunked,
+                          BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_P=block_p, num_warps=warps)
     return dm, dv, dmean, dvar, (dbw, dbb, dw, db)

@@ -9,12 +9,14 @@ Dependence", arXiv:2106.03743, Eq. 7 and App. B. Per (n, c), from the moments m,
                   K = 1 / sqrt(Var_q[phi(z)] + eps_pn),   L = -E_q[phi(z)] K   (K = 1, L = -E_q[phi(z)] without
                   proxy scaling)
 
-Layout: one program per block of whole groups, a [BLOCK_G, BLOCK_P] tile of (group, channel in the group) that
-loops over the N samples (the GN stage, and in the VJP the sums over N of the parameter gradients, so no
-atomics), and the proxy moments of the same channels over [BLOCK_G, BLOCK_P, BLOCK_S] tiles of the quantiles
-(they depend only on parameters: recomputed in the VJP rather than stored). The block sizes depend only on the
-channels per group, the number of groups and the number of samples. A group is held whole in a tile: channels
-per group up to a few thousand (LN+PN of C <= 4096).
+Layout: [BLOCK_N, BLOCK_G, BLOCK_P] tiles of (sample, group, channel in the group) for the GN stage, so the
+per-(n, g) statistics are reductions along the last axis: the map on a 2-D grid of (group block, sample block)
+programs; the VJP one program per block of channels, summing the parameter gradients over N in BLOCK_N steps
+(fixed order, no atomics). The proxy moments of the same channels use [BLOCK_G, BLOCK_P, BLOCK_S] tiles of the
+quantiles (they depend only on parameters: recomputed by each program rather than stored). A group wider than
+``CHUNK`` channels (LN+PN) is walked in chunks (passes for the group sums, then the outputs); its VJP runs one
+program per (group, chunk), each recomputing the group sums. Block sizes come from a fixed menu keyed on the
+sizes. In float64, 1 / sqrt is correctly rounded (``tl.rsqrt`` is ``rsqrt.approx.f64`` on sm_90).
 
 The float configuration (eps, proxy_eps, the activation's parameters) is ``tl.constexpr``: a runtime float
 argument is float32 on the GPU and would round them in float64 computations.
@@ -28,29 +30,74 @@ from .activations import act_args, act_forward, act_grad
 __all__ = ['coeff_map', 'coeff_vjp']
 
 _CHANNELS = 64  # channels per program (whole groups), when the groups are smaller
-_PROXY_TILE = 2048  # elements of a [groups, channels, samples] tile of the proxy
+_TILE = 512  # elements of a [BLOCK_N, BLOCK_G, BLOCK_P] tile of the GN stage
+_PROXY_TILE = 1024  # elements of a [groups, channels, samples] tile of the proxy (8 warps: no spills in float64)
+CHUNK = 256  # a group of more channels is walked in chunks of this many (module-level: the tests lower it)
 
 
-def _blocks(groups: int, per: int, samples: int):
+def _blocks(n: int, groups: int, per: int, samples: int):
+    """(CHUNKED, BLOCK_N, BLOCK_G, BLOCK_P, BLOCK_S, num_warps): a fixed menu keyed on the sizes (powers of 2:
+    a few compiled variants, none per batch size)."""
     bp = triton.next_power_of_2(per)
-    bg = max(1, min(triton.next_power_of_2(groups), _CHANNELS // bp))
+    chunked = bp > CHUNK
+    if chunked:
+        bp, bg = CHUNK, 1
+    else:
+        bg = max(1, min(triton.next_power_of_2(groups), _CHANNELS // bp))
     bs = max(1, min(triton.next_power_of_2(samples), _PROXY_TILE // (bg * bp)))
-    return bg, bp, bs
+    bn = min(triton.next_power_of_2(n), max(1, _TILE // (bg * bp)))
+    if chunked:  # as BCN's: N = 1 too (ptxas spilled a few bytes of BCN's chunked VJP at [1, 1, 256])
+        bn = max(2, bn)
+    return chunked, bn, bg, bp, bs, 8
 
 
 @triton.jit
 def _rsqrt(x):
-    return 1.0 / tl.sqrt(x)  # not tl.rsqrt: its float64 form may be an approximation on the GPU
+    """1 / sqrt(x): sqrt.rn.f64 and div.rn.f64 in float64 (not tl.rsqrt: rsqrt.approx.f64 on sm_90), the fast
+    tl.rsqrt in float32 (within the float32 tolerance)."""
+    if x.dtype == tl.float64:
+        out = 1.0 / tl.sqrt(x)
+    else:
+        out = tl.rsqrt(x)
+    return out
 
 
 @triton.jit
-def _gn_stage(m_ptr, v_ptr, off, mask, per, EPS: tl.constexpr):
-    """d = m - mu_g (0 off the tile) and r = 1 / sigma_g ([BLOCK_G]) of one sample."""
+def _channels(pid_g, p0, G, per, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
+    """[BLOCK_G, BLOCK_P] channel tile: groups of program pid_g, channels p0 .. p0 + BLOCK_P of each."""
+    g = pid_g * BLOCK_G + tl.arange(0, BLOCK_G)[:, None]
+    p = p0 + tl.arange(0, BLOCK_P)[None, :]
+    return g * per + p, (g < G) & (p < per)
+
+
+@triton.jit
+def _gn_stage(m_ptr, v_ptr, off, mask, inv, EPS: tl.constexpr):
+    """d = m - mu_g (0 off the tile) and r = 1 / sigma_g ([BLOCK_N, BLOCK_G, 1]) of a tile of whole groups."""
     mn = tl.load(m_ptr + off, mask=mask, other=0.0)
     vn = tl.load(v_ptr + off, mask=mask, other=0.0)
-    d = tl.where(mask, mn - (tl.sum(mn, axis=1) / per)[:, None], 0.0)
-    r = _rsqrt(tl.sum(vn + d * d, axis=1) / per + EPS)
-    return d, r
+    d = tl.where(mask, mn - (tl.sum(mn, axis=2) * inv)[:, :, None], 0.0)
+    r = _rsqrt(tl.sum(vn + d * d, axis=2) * inv + EPS)
+    return d, r[:, :, None]
+
+
+@triton.jit
+def _gn_chunked(m_ptr, v_ptr, pid_g, rows, rmask, C, G, per, inv, EPS: tl.constexpr, BLOCK_G: tl.constexpr,
+                BLOCK_P: tl.constexpr):
+    """mu_g and r = 1 / sigma_g ([BLOCK_N, BLOCK_G, 1]) of a group walked in chunks: two passes (the centred
+    second one, as the torch method: no cancellation)."""
+    dt = m_ptr.dtype.element_ty
+    sm = tl.zeros([rows.shape[0], BLOCK_G], dtype=dt)
+    for p0 in range(0, per, BLOCK_P):
+        ch, cmask = _channels(pid_g, p0, G, per, BLOCK_G, BLOCK_P)
+        sm += tl.sum(tl.load(m_ptr + rows * C + ch[None], mask=rmask & cmask[None], other=0.0), axis=2)
+    mu = (sm * inv)[:, :, None]
+    sq = tl.zeros([rows.shape[0], BLOCK_G], dtype=dt)
+    for p0 in range(0, per, BLOCK_P):
+        ch, cmask = _channels(pid_g, p0, G, per, BLOCK_G, BLOCK_P)
+        mask = rmask & cmask[None]
+        d = tl.where(mask, tl.load(m_ptr + rows * C + ch[None], mask=mask, other=0.0) - mu, 0.0)
+        sq += tl.sum(tl.load(v_ptr + rows * C + ch[None], mask=mask, other=0.0) + d * d, axis=2)
+    return mu, _rsqrt(sq * inv + EPS)[:, :, None]
 
 
 @triton.jit
@@ -86,13 +133,8 @@ def _proxy_moments(w, b, pb, pg, q_ptr, S, ACT: tl.constexpr, P0: tl.constexpr, 
 
 
 @triton.jit
-def _tile_params(w_ptr, b_ptr, pb_ptr, pg_ptr, G, per, dt, AFFINE: tl.constexpr, BLOCK_G: tl.constexpr,
-                 BLOCK_P: tl.constexpr):
-    """The program's tile of whole groups (channels, mask) and the parameters on it, in the compute dtype."""
-    g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)[:, None]
-    p = tl.arange(0, BLOCK_P)[None, :]
-    ch = g * per + p
-    mask = (g < G) & (p < per)
+def _params(w_ptr, b_ptr, pb_ptr, pg_ptr, ch, mask, dt, AFFINE: tl.constexpr):
+    """The parameters on a [BLOCK_G, BLOCK_P] channel tile, in the compute dtype."""
     w = tl.load(w_ptr + ch, mask=mask, other=0.0).to(dt)
     b = tl.load(b_ptr + ch, mask=mask, other=0.0).to(dt)
     if AFFINE:
@@ -101,16 +143,13 @@ def _tile_params(w_ptr, b_ptr, pb_ptr, pg_ptr, G, per, dt, AFFINE: tl.constexpr,
     else:
         pb = tl.zeros_like(w)
         pg = tl.zeros_like(w)
-    return ch, mask, w, b, pb, pg
+    return w, b, pb, pg
 
 
-@triton.jit(do_not_specialize=['N', 'C', 'G', 'per', 'S'])
-def _coeff_map_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr, a_ptr, bb_ptr, k_ptr, l_ptr,
-                      N, C, G, per, S, EPS: tl.constexpr, PROXY_EPS: tl.constexpr, ACT: tl.constexpr,
-                      P0: tl.constexpr, P1: tl.constexpr, AFFINE: tl.constexpr, SCALING: tl.constexpr,
-                      BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr):
-    dt = m_ptr.dtype.element_ty
-    ch, mask, w, b, pb, pg = _tile_params(w_ptr, b_ptr, pb_ptr, pg_ptr, G, per, dt, AFFINE, BLOCK_G, BLOCK_P)
+@triton.jit
+def _proxy_kl(w, b, pb, pg, q_ptr, S, PROXY_EPS: tl.constexpr, ACT: tl.constexpr, P0: tl.constexpr,
+              P1: tl.constexpr, AFFINE: tl.constexpr, SCALING: tl.constexpr, BLOCK_S: tl.constexpr):
+    """K and L per channel ([BLOCK_G, BLOCK_P])."""
     pmean, pvar = _proxy_moments(w, b, pb, pg, q_ptr, S, ACT, P0, P1, AFFINE, SCALING, BLOCK_S)
     if SCALING:
         k = _rsqrt(pvar + PROXY_EPS)
@@ -118,14 +157,47 @@ def _coeff_map_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr, a_ptr, 
     else:
         k = tl.zeros_like(w) + 1.0
         l_ = -pmean
-    for n in range(0, N):
-        off = n * C + ch
-        d, r = _gn_stage(m_ptr, v_ptr, off, mask, per, EPS)
-        a = r[:, None] * w
-        tl.store(a_ptr + off, a, mask=mask)
-        tl.store(bb_ptr + off, b + a * d, mask=mask)
-        tl.store(k_ptr + off, k, mask=mask)
-        tl.store(l_ptr + off, l_, mask=mask)
+    return k, l_
+
+
+@triton.jit
+def _map_store(a_ptr, bb_ptr, k_ptr, l_ptr, off, mask, d, r, w, b, k, l_):
+    a = r * w[None]
+    tl.store(a_ptr + off, a, mask=mask)
+    tl.store(bb_ptr + off, b[None] + a * d, mask=mask)
+    tl.store(k_ptr + off, k[None] + tl.zeros_like(d), mask=mask)
+    tl.store(l_ptr + off, l_[None] + tl.zeros_like(d), mask=mask)
+
+
+@triton.jit(do_not_specialize=['N', 'C', 'G', 'per', 'S'])
+def _coeff_map_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr, a_ptr, bb_ptr, k_ptr, l_ptr,
+                      N, C, G, per, S, EPS: tl.constexpr, PROXY_EPS: tl.constexpr, ACT: tl.constexpr,
+                      P0: tl.constexpr, P1: tl.constexpr, AFFINE: tl.constexpr, SCALING: tl.constexpr,
+                      CHUNKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
+                      BLOCK_S: tl.constexpr):
+    dt = m_ptr.dtype.element_ty
+    inv = 1.0 / tl.cast(per, dt)  # one division (a float64 one is a subroutine call)
+    pid_g = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]
+    rmask = rows < N
+    if CHUNKED:
+        mu, r = _gn_chunked(m_ptr, v_ptr, pid_g, rows, rmask, C, G, per, inv, EPS, BLOCK_G, BLOCK_P)
+        for p0 in range(0, per, BLOCK_P):
+            ch, cmask = _channels(pid_g, p0, G, per, BLOCK_G, BLOCK_P)
+            mask = rmask & cmask[None]
+            off = rows * C + ch[None]
+            d = tl.where(mask, tl.load(m_ptr + off, mask=mask, other=0.0) - mu, 0.0)
+            w, b, pb, pg = _params(w_ptr, b_ptr, pb_ptr, pg_ptr, ch, cmask, dt, AFFINE)
+            k, l_ = _proxy_kl(w, b, pb, pg, q_ptr, S, PROXY_EPS, ACT, P0, P1, AFFINE, SCALING, BLOCK_S)
+            _map_store(a_ptr, bb_ptr, k_ptr, l_ptr, off, mask, d, r, w, b, k, l_)
+    else:
+        ch, cmask = _channels(pid_g, 0, G, per, BLOCK_G, BLOCK_P)
+        mask = rmask & cmask[None]
+        off = rows * C + ch[None]
+        d, r = _gn_stage(m_ptr, v_ptr, off, mask, inv, EPS)
+        w, b, pb, pg = _params(w_ptr, b_ptr, pb_ptr, pg_ptr, ch, cmask, dt, AFFINE)
+        k, l_ = _proxy_kl(w, b, pb, pg, q_ptr, S, PROXY_EPS, ACT, P0, P1, AFFINE, SCALING, BLOCK_S)
+        _map_store(a_ptr, bb_ptr, k_ptr, l_ptr, off, mask, d, r, w, b, k, l_)
 
 
 @triton.jit(do_not_specialize=['N', 'C', 'G', 'per', 'S'])
@@ -134,29 +206,64 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
                       dm_ptr, dv_ptr, dw_ptr, db_ptr, dpb_ptr, dpg_ptr,
                       N, C, G, per, S, EPS: tl.constexpr, PROXY_EPS: tl.constexpr, ACT: tl.constexpr,
                       P0: tl.constexpr, P1: tl.constexpr, AFFINE: tl.constexpr, SCALING: tl.constexpr,
-                      BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr):
+                      CHUNKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
+                      BLOCK_S: tl.constexpr):
     dt = m_ptr.dtype.element_ty
-    ch, mask, w, b, pb, pg = _tile_params(w_ptr, b_ptr, pb_ptr, pg_ptr, G, per, dt, AFFINE, BLOCK_G, BLOCK_P)
-    dw = tl.zeros_like(w)
-    db = tl.zeros_like(w)
-    gk_sum = tl.zeros_like(w)
-    gl_sum = tl.zeros_like(w)
+    inv = 1.0 / tl.cast(per, dt)
+    pid_g = tl.program_id(0)
+    # this program's channels: whole groups, or (CHUNKED) chunk program_id(1) of one group
+    ch, cmask = _channels(pid_g, tl.program_id(1) * BLOCK_P, G, per, BLOCK_G, BLOCK_P)
+    w, b, pb, pg = _params(w_ptr, b_ptr, pb_ptr, pg_ptr, ch, cmask, dt, AFFINE)
+    zero = tl.zeros([BLOCK_N, BLOCK_G, BLOCK_P], dtype=dt)
+    dw3, db3, gk3, gl3 = zero, zero, zero, zero  # per-channel sums over N
     # GN stage, per sample: A = r gamma and B = beta + A d, with d and r functions of the group's m, v
-    for n in range(0, N):
-        off = n * C + ch
-        d, r = _gn_stage(m_ptr, v_ptr, off, mask, per, EPS)
-        ga = tl.load(ga_ptr + n * s_ga_n + ch * s_ga_c, mask=mask, other=0.0).to(dt)
-        gb = tl.load(gb_ptr + n * s_gb_n + ch * s_gb_c, mask=mask, other=0.0).to(dt)
-        gk_sum += tl.load(gk_ptr + n * s_gk_n + ch * s_gk_c, mask=mask, other=0.0).to(dt)
-        gl_sum += tl.load(gl_ptr + n * s_gl_n + ch * s_gl_c, mask=mask, other=0.0).to(dt)
-        ga_t = ga + gb * d  # total gradient of A (B = beta + A d)
-        dw += ga_t * r[:, None]
-        db += gb
-        # through r = (mean_g(v + d^2) + eps)^(-1/2): d r / d v_c = -r^3 / (2 P)
-        dvg = tl.sum(ga_t * w, axis=1) * (r * r * r * -0.5) / per
-        gd = tl.where(mask, gb * (r[:, None] * w) + d * 2.0 * dvg[:, None], 0.0)
-        tl.store(dm_ptr + off, gd - (tl.sum(gd, axis=1) / per)[:, None], mask=mask)  # d = m - mu_g
-        tl.store(dv_ptr + off, tl.zeros_like(w) + dvg[:, None], mask=mask)
+    for n0 in range(0, N, BLOCK_N):
+        rows = n0 + tl.arange(0, BLOCK_N)[:, None, None]
+        rmask = rows < N
+        mask = rmask & cmask[None]
+        off = rows * C + ch[None]
+        if CHUNKED:  # the group sums over all chunks (recomputed by each chunk's program)
+            mu, r = _gn_chunked(m_ptr, v_ptr, pid_g, rows, rmask, C, G, per, inv, EPS, BLOCK_G, BLOCK_P)
+            sgw = tl.zeros([BLOCK_N, BLOCK_G], dtype=dt)  # sum_g ga_t gamma
+            sgb = tl.zeros([BLOCK_N, BLOCK_G], dtype=dt)  # sum_g gb gamma
+            sd = tl.zeros([BLOCK_N, BLOCK_G], dtype=dt)  # sum_g d (0 up to rounding)
+            for p0 in range(0, per, BLOCK_P):
+                ch_j, cmask_j = _channels(pid_g, p0, G, per, BLOCK_G, BLOCK_P)
+                mask_j = rmask & cmask_j[None]
+                ch3 = ch_j[None]
+                d_j = tl.where(mask_j, tl.load(m_ptr + rows * C + ch3, mask=mask_j, other=0.0) - mu, 0.0)
+                ga_j = tl.load(ga_ptr + rows * s_ga_n + ch3 * s_ga_c, mask=mask_j, other=0.0).to(dt)
+                gb_j = tl.load(gb_ptr + rows * s_gb_n + ch3 * s_gb_c, mask=mask_j, other=0.0).to(dt)
+                w_j = tl.load(w_ptr + ch3, mask=cmask_j[None], other=0.0).to(dt)
+                sgw += tl.sum((ga_j + gb_j * d_j) * w_j, axis=2)
+                sgb += tl.sum(gb_j * w_j, axis=2)
+                sd += tl.sum(d_j, axis=2)
+            # through r = (mean_g(v + d^2) + eps)^(-1/2): d r / d v_c = -r^3 / (2 P)
+            dvg = sgw[:, :, None] * (r * r * r * -0.5) * inv
+            mean_gd = (r * sgb[:, :, None] + 2.0 * dvg * sd[:, :, None]) * inv  # mean_g(gb r gamma + 2 d dvg)
+            d = tl.where(mask, tl.load(m_ptr + off, mask=mask, other=0.0) - mu, 0.0)
+            ga = tl.load(ga_ptr + rows * s_ga_n + ch[None] * s_ga_c, mask=mask, other=0.0).to(dt)
+            gb = tl.load(gb_ptr + rows * s_gb_n + ch[None] * s_gb_c, mask=mask, other=0.0).to(dt)
+            ga_t = ga + gb * d  # total gradient of A (B = beta + A d)
+        else:
+            d, r = _gn_stage(m_ptr, v_ptr, off, mask, inv, EPS)
+            # loaded after the division: fewer live registers around its float64 slow-path call (no spills)
+            ga = tl.load(ga_ptr + rows * s_ga_n + ch[None] * s_ga_c, mask=mask, other=0.0).to(dt)
+            gb = tl.load(gb_ptr + rows * s_gb_n + ch[None] * s_gb_c, mask=mask, other=0.0).to(dt)
+            ga_t = ga + gb * d
+            dvg = tl.sum(ga_t * w[None], axis=2)[:, :, None] * (r * r * r * -0.5) * inv
+            mean_gd = tl.sum(tl.where(mask, gb * (r * w[None]) + d * 2.0 * dvg, 0.0), axis=2)[:, :, None] * inv
+        gk3 += tl.load(gk_ptr + rows * s_gk_n + ch[None] * s_gk_c, mask=mask, other=0.0).to(dt)
+        gl3 += tl.load(gl_ptr + rows * s_gl_n + ch[None] * s_gl_c, mask=mask, other=0.0).to(dt)
+        dw3 += ga_t * r
+        db3 += gb
+        gd = gb * (r * w[None]) + d * 2.0 * dvg
+        tl.store(dm_ptr + off, gd - mean_gd, mask=mask)  # d = m - mu_g
+        tl.store(dv_ptr + off, dvg + tl.zeros_like(d), mask=mask)
+    dw = tl.sum(dw3, axis=0)
+    db = tl.sum(db3, axis=0)
+    gk_sum = tl.sum(gk3, axis=0)
+    gl_sum = tl.sum(gl3, axis=0)
     # proxy moments: K = (var + eps_pn)^(-1/2), L = -mean K (or L = -mean), summed over N above
     pmean, pvar = _proxy_moments(w, b, pb, pg, q_ptr, S, ACT, P0, P1, AFFINE, SCALING, BLOCK_S)
     if SCALING:
@@ -179,11 +286,11 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
         if AFFINE:
             dy_sum += tl.sum(dz, axis=2)
             dy_q += tl.sum(dz * q, axis=2)
-    tl.store(dw_ptr + ch, dw, mask=mask)
-    tl.store(db_ptr + ch, db, mask=mask)
+    tl.store(dw_ptr + ch, dw, mask=cmask)
+    tl.store(db_ptr + ch, db, mask=cmask)
     if AFFINE:  # Y = beta~ + (1 + gamma~) q, z = gamma Y + beta
-        tl.store(dpb_ptr + ch, w * dy_sum, mask=mask)
-        tl.store(dpg_ptr + ch, w * dy_q, mask=mask)
+        tl.store(dpb_ptr + ch, w * dy_sum, mask=cmask)
+        tl.store(dpg_ptr + ch, w * dy_q, mask=cmask)
 
 
 def _config(m, num_groups, num_samples, act, act_kwargs):
@@ -191,10 +298,12 @@ def _config(m, num_groups, num_samples, act, act_kwargs):
     if c % num_groups:
         raise ValueError(f'GN+PN kernels: num_groups={num_groups} does not divide C={c}')
     per = c // num_groups
-    bg, bp, bs = _blocks(num_groups, per, num_samples)
+    chunked, bn, bg, bp, bs, warps = _blocks(n, num_groups, per, num_samples)
     act_id, p0, p1 = act_args(act, act_kwargs)
-    return n, c, per, (triton.cdiv(num_groups, bg), ), dict(ACT=act_id, P0=p0, P1=p1, BLOCK_G=bg, BLOCK_P=bp,
-                                                              BLOCK_S=bs)
+    groups = triton.cdiv(num_groups, bg)
+    grids = (groups, triton.cdiv(n, bn)), (groups, triton.cdiv(per, bp) if chunked else 1)  # map, VJP
+    return n, c, per, grids, dict(ACT=act_id, P0=p0, P1=p1, CHUNKED=chunked, BLOCK_N=bn, BLOCK_G=bg, BLOCK_P=bp,
+                                  BLOCK_S=bs, num_warps=warps)
 
 
 def coeff_map(m, v, mean, var, params, positions, count, *, num_groups, eps, act, act_kwargs, proxy_eps,
@@ -204,7 +313,7 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups, eps, act
     ``var``, ``positions`` and ``count`` are unused (GN+PN has no first stage)."""
     weight, bias, proxy_beta, proxy_gamma = params
     m, v = m.contiguous(), v.contiguous()
-    n, c, per, grid, blocks = _config(m, num_groups, quantiles.numel(), act, act_kwargs)
+    n, c, per, (grid, _), blocks = _config(m, num_groups, quantiles.numel(), act, act_kwargs)
     a, b, k, l_ = (torch.empty_like(m) for _ in range(4))
     pb, pg = (proxy_beta, proxy_gamma) if proxy_affine else (weight, weight)  # not read without proxy_affine
     _coeff_map_kernel[grid](m, v, weight, bias, pb, pg, quantiles, a, b, k, l_, n, c, num_groups, per,
@@ -221,7 +330,7 @@ def coeff_vjp(res, grads, wants_stats, *, num_groups, eps, act, act_kwargs, prox
     m, v, params, quantiles = res
     weight, bias, proxy_beta, proxy_gamma = params
     ga, gb, gk, gl = grads
-    n, c, per, grid, blocks = _config(m, num_groups, quantiles.numel(), act, act_kwargs)
+    n, c, per, (_, grid), blocks = _config(m, num_groups, quantiles.numel(), act, act_kwargs)
     dm, dv = torch.empty_like(m), torch.empty_like(m)
     dw, db = m.new_empty(c), m.new_empty(c)
     dpb, dpg = (m.new_empty(c), m.new_empty(c)) if proxy_affine else (dw, dw)  # not written without

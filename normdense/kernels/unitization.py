@@ -18,13 +18,25 @@ Layout: p needs a sum over all channels of a sample, the parameter gradients sum
 runs one program per block of samples (two loops over the channel blocks: p, then A, B); the VJP one program
 per block of channels, which first sums its samples' d p terms over all channels (recomputed by every
 program: no second launch, no atomics) and then owns its channels' outputs and sums over N, so the result is
-deterministic. Register tiles are [BLOCK_N, BLOCK_C] <= 1024 elements, block sizes keyed on C only.
+deterministic. Register tiles are [BLOCK_N, BLOCK_C] <= 1024 elements, block sizes keyed on C only. In float64,
+1 / sqrt is correctly rounded (not ``tl.rsqrt``: ``rsqrt.approx.f64`` on sm_90).
 """
 import torch
 import triton
 import triton.language as tl
 
 from .scalars import from_hi_lo, hi_lo
+
+
+@triton.jit
+def _rsqrt(x):
+    """1 / sqrt(x): sqrt.rn.f64 and div.rn.f64 in float64 (exact as torch's; tl.rsqrt is rsqrt.approx.f64 on
+    sm_90), the fast tl.rsqrt in float32 (within the float32 tolerance)."""
+    if x.dtype == tl.float64:
+        out = 1.0 / tl.sqrt(x)
+    else:
+        out = tl.rsqrt(x)
+    return out
 
 
 def _blocks(channels: int):
@@ -60,13 +72,13 @@ def _coeff_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, b_ptr, 
         mc = tl.load(m_ptr + idx, mask=mask, other=0.0) - mean[None, :]
         e = tl.load(v_ptr + idx, mask=mask, other=0.0) + mc * mc
         s += tl.sum(tl.where(mask, e * rs2[None, :], 0.0), axis=1)
-    p = tl.rsqrt(s * k + eps)  # Eq. 16
+    p = _rsqrt(s * k + eps)  # Eq. 16
     tl.store(p_ptr + rows, p, mask=rmask)
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + cols0
         cmask, mask, idx, mean, den = _channels(rows, rmask, cols, C, mean_ptr, var_ptr, f, eps, dt)
         alpha = tl.load(alpha_ptr + cols, mask=cmask, other=0.0).to(dt)
-        rs = tl.rsqrt(den)
+        rs = _rsqrt(den)
         mc = tl.load(m_ptr + idx, mask=mask, other=0.0) - mean[None, :]
         scale = p[:, None] * alpha[None, :] + (1.0 - alpha)[None, :]
         if AFFINE:
@@ -95,7 +107,7 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, p_ptr, 
     cols = tl.program_id(0) * BLOCK_C + cols0
     cmask = cols < C
     mean = tl.load(mean_ptr + cols, mask=cmask, other=0.0).to(dt)
-    rs = tl.rsqrt(tl.load(var_ptr + cols, mask=cmask, other=1.0).to(dt) * f + eps)
+    rs = _rsqrt(tl.load(var_ptr + cols, mask=cmask, other=1.0).to(dt) * f + eps)
     rs2 = rs * rs
     alpha = tl.load(alpha_ptr + cols, mask=cmask, other=0.0).to(dt)
     if AFFINE:
@@ -117,7 +129,7 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, p_ptr, 
         for c0 in range(0, C, BLOCK_C):
             cj = c0 + cols0
             cjm, mask, idx, mean_j, den = _channels(rows, rmask, cj, C, mean_ptr, var_ptr, f, eps, dt)
-            rs_j = tl.rsqrt(den)
+            rs_j = _rsqrt(den)
             coef = tl.load(alpha_ptr + cj, mask=cjm, other=0.0).to(dt) * rs_j
             if AFFINE:
                 coef = coef * tl.load(w_ptr + cj, mask=cjm, other=0.0).to(dt)

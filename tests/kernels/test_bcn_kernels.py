@@ -104,15 +104,45 @@ def test_parameters_in_another_dtype(param_dtype, device, launches):
 
 
 def test_several_programs_and_loop_iterations(device, launches):
-    """C = 512 over 64 groups of 8: 4 programs of 16 groups, 5 samples each."""
+    """C = 512 over 64 groups of 8, N = 5: 4 group blocks of 16 groups x 2 sample blocks of 4 in the map."""
     from normdense.kernels.bcn import _blocks
-    per, block_g, block_p, grid, _ = _blocks(512, 64)
-    assert (per, block_g, block_p, grid) == (8, 16, 8, (4, ))
+    assert _blocks(5, 512, 64)[:5] == (8, False, 4, 16, 8)
     layer, inputs, grads = _inputs((5, 64, 8), False, torch.float64, device, seed=9)
     _check(layer, inputs, grads, True, TOL[torch.float64], launches)
 
 
-def test_a_group_too_large_for_one_tile_raises():
+@pytest.mark.parametrize('group_affine, wants', MODES, ids=[f'{"group" if ga else "channel"}-{"batch" if w else "fixed"}'
+                                                           for ga, w in MODES])
+def test_large_batch_in_sample_blocks(group_affine, wants, device, launches):
+    """N = 70 in sample blocks of 4 (the last one partial): 18 map programs per group block, 18 iterations of
+    the VJP's sums over N; 2 group blocks of 32 groups of 4 (the second one partial)."""
     from normdense.kernels.bcn import _blocks
-    with pytest.raises(ValueError, match='channels per group'):
-        _blocks(8192, 1)
+    per, chunked, block_n, block_g, block_p, _ = _blocks(70, 160, 40)
+    assert (per, chunked, block_n, block_g, block_p) == (4, False, 4, 32, 4)
+    layer, inputs, grads = _inputs((70, 40, 4), group_affine, torch.float64, device, seed=11)
+    _check(layer, inputs, grads, wants, TOL[torch.float64], launches)
+
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32], ids=['f64', 'f32'])
+@pytest.mark.parametrize('shape', [(5, 1, 13), (3, 3, 9)], ids=['1x13', '3x9'])
+@pytest.mark.parametrize('group_affine, wants', MODES, ids=[f'{"group" if ga else "channel"}-{"batch" if w else "fixed"}'
+                                                           for ga, w in MODES])
+def test_groups_in_chunks(group_affine, wants, shape, dtype, device, launches, monkeypatch):
+    """Groups wider than CHUNK (lowered to 4 here; 256 by default, e.g. one group of 4096 channels) are
+    walked in chunks: 13 channels in 4 chunks (the last one of 1), one program per (group, chunk) in the
+    VJP, each with the group's sums; one group and three."""
+    from normdense.kernels import bcn as kernels
+    monkeypatch.setattr(kernels, 'CHUNK', 4)
+    n, g, per = shape
+    assert kernels._blocks(n, g * per, g)[1:5:3] == (True, 4)
+    layer, inputs, grads = _inputs(shape, group_affine, dtype, device, seed=13)
+    _check(layer, inputs, grads, wants, TOL[dtype], launches)
+
+
+def test_one_group_of_4096_channels_is_chunked():
+    """LN-like BCN (one group of 4096 channels, formerly the limit of a tile row): chunks of CHUNK, tiles of
+    at most _TILE elements."""
+    from normdense.kernels import bcn as kernels
+    per, chunked, block_n, block_g, block_p, _ = kernels._blocks(256, 4096, 1)
+    assert chunked and block_g == 1 and block_p == kernels.CHUNK < per == 4096
+    assert block_n * block_g * block_p <= kernels._TILE

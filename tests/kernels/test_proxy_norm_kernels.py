@@ -94,9 +94,37 @@ def test_options_and_shapes(act, scaling, affine, shape, dtype, device):
 @pytest.mark.parametrize('shape', BIG, ids=str)
 @pytest.mark.parametrize('act,scaling,affine', [OPTIONS[0], OPTIONS[5], OPTIONS[6]], ids=str)
 def test_several_programs_and_sample_blocks(act, scaling, affine, shape, dtype, device):
-    bg, bp, bs = K._blocks(shape[2], shape[1] // shape[2], shape[3])
+    chunked, bn, bg, bp, bs, _ = K._blocks(shape[0], shape[2], shape[1] // shape[2], shape[3])
     assert triton.cdiv(shape[2], bg) > 1 or shape[3] > bs
     _check(act, scaling, affine, shape, dtype, device)
+
+
+def test_large_batch_in_sample_blocks(device):
+    """N = 70 in sample blocks of 8 (the last one partial): 9 map programs per group block, 9 iterations of
+    the VJP's sums over N; 2 group blocks of 16 groups of 4 (the second one partial)."""
+    chunked, bn, bg, bp, bs, _ = K._blocks(70, 20, 4, 13)
+    assert (chunked, bn, bg, bp) == (False, 8, 16, 4) and 70 % bn
+    _check('gelu', True, True, (70, 80, 20, 13), torch.float64, device)
+
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize('shape', [(5, 13, 1, 9), (3, 27, 3, 7)], ids=['1x13', '3x9'])
+@pytest.mark.parametrize('act,scaling,affine', [OPTIONS[0], OPTIONS[5], OPTIONS[6]], ids=str)
+def test_groups_in_chunks(act, scaling, affine, shape, dtype, device, monkeypatch):
+    """Groups wider than CHUNK (lowered to 4 here; 256 by default, e.g. LN+PN of 4096 channels) are walked in
+    chunks: 13 channels in 4 chunks (the last one of 1), one VJP program per (group, chunk) with the group's
+    sums; one group and three."""
+    monkeypatch.setattr(K, 'CHUNK', 4)
+    n, c, groups, samples = shape
+    chunked, bn, bg, bp, bs, _ = K._blocks(n, groups, c // groups, samples)
+    assert chunked and (bg, bp) == (1, 4)
+    _check(act, scaling, affine, shape, dtype, device)
+
+
+def test_layer_norm_of_4096_channels_is_chunked():
+    """LN+PN of 4096 channels (formerly one 4096-wide tile row): chunks of CHUNK, tiles of at most _TILE."""
+    chunked, bn, bg, bp, bs, _ = K._blocks(256, 1, 4096, 200)
+    assert chunked and bg == 1 and bp == K.CHUNK < 4096 and bn * bg * bp <= K._TILE
 
 
 @pytest.mark.parametrize('dtype,param_dtype', [(torch.float64, torch.float32), (torch.float32, torch.float16),
