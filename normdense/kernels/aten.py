@@ -255,8 +255,9 @@ class AtenBackend:
         return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
 
     @staticmethod
-    def sums(x3, dy, m, v, pc, act=None):
-        """([sum_l g t, sum_l g] (and, with an activation, sum_l dy act(A t + B), sum_l dy), state for dx)."""
+    def sums(x3, dy, m, v, pc, act=None, merged=True):
+        """([sum_l g t, sum_l g] (and, with an activation, sum_l dy act(A t + B), sum_l dy), state for dx), each
+        (N, C) (``merged``: the Triton backend's option; ATen's reductions have no chunks)."""
         coeffs = pc.centred
         cd = coeffs[0].dtype
         if act is None:

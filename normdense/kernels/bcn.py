@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .first_stage import FOLD_SIZES, fold, fold_args, split_args, split_sum
+
 _CHANNELS = 128  # channels (whole groups) of a tile when the groups are small
 _TILE = 512  # elements of a [BLOCK_N, BLOCK_G, BLOCK_P] tile: no register spills in float64 (ptxas -v)
 CHUNK = 256  # a group of more channels is walked in chunks of this many (module-level: the tests lower it)
@@ -102,14 +104,23 @@ def _group_stats(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, pid_g, rows, r
     return mu, rsqrt(sq * inv + EPS)[:, :, None]
 
 
-@triton.jit(do_not_specialize=['N', 'C', 'G', 'PER'])
+@triton.jit(do_not_specialize=['N', 'C', 'G', 'PER'] + FOLD_SIZES)
 def _bcn_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, b_ptr, a_ptr, bo_ptr,
-                    N, C, G, PER, EPS: tl.constexpr, GROUP_AFFINE: tl.constexpr, CHUNKED: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
+                    N, C, G, PER, f_part, f_m, f_v, f_mean, f_var, f_smean, f_svar, f_base, f_moved, f_upd, f_nbt,
+                    fN, fC, fL, fCHUNK, fSPLIT, f_rate_hi, f_rate_lo, f_mom_hi, f_mom_lo, fWRITE,
+                    EPS: tl.constexpr, GROUP_AFFINE: tl.constexpr, CHUNKED: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, FOLD: tl.constexpr,
+                    FMODE: tl.constexpr, FCUM: tl.constexpr, FBLOCK_N: tl.constexpr, FBLOCK_C: tl.constexpr):
     pid_g = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]
     rmask = rows < N
     dt = m_ptr.dtype.element_ty
+    if FOLD:  # the first stage of this program's groups and samples, in this launch (m, v, mean, var written)
+        n_lo = tl.program_id(1) * BLOCK_N
+        fold(f_part, f_m, f_v, f_mean, f_var, f_smean, f_svar, f_base, f_moved, f_upd, f_nbt, fN, fC, fL, fCHUNK,
+             fSPLIT, f_rate_hi, f_rate_lo, f_mom_hi, f_mom_lo, fWRITE, pid_g * BLOCK_G * PER,
+             tl.minimum(pid_g * BLOCK_G + BLOCK_G, G) * PER, n_lo, tl.minimum(n_lo + BLOCK_N, N),
+             tl.program_id(1) == 0, FMODE, FCUM, FBLOCK_N, FBLOCK_C, dt)
     inv = 1.0 / tl.cast(PER, dt)  # one division (a float64 one is a subroutine call: register saves)
     if CHUNKED:
         mu, r = _group_stats(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, pid_g, rows, rmask, C, G, PER,
@@ -156,10 +167,10 @@ def _vjp_out(dm_ptr, dv_ptr, off, mask, mc, d, ga, gb, v, a, r, s, dvg, mean_gd)
     return ga * s + dum * mc + 2.0 * (dvg * v) * a, dum, dm
 
 
-@triton.jit(do_not_specialize=['N', 'C', 'G', 'PER'])
+@triton.jit(do_not_specialize=['N', 'C', 'G', 'PER', 'GSPLIT', 'GSTRIDE'])
 def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_ptr, gb_ptr,
                     dm_ptr, dv_ptr, dmean_ptr, dvar_ptr, dbw_ptr, dbb_ptr, dw_ptr, db_ptr,
-                    N, C, G, PER, EPS: tl.constexpr, GROUP_AFFINE: tl.constexpr, WANTS_STATS: tl.constexpr,
+                    N, C, G, PER, GSPLIT, GSTRIDE, EPS: tl.constexpr, GROUP_AFFINE: tl.constexpr, WANTS_STATS: tl.constexpr,
                     CHUNKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
     pid_g = tl.program_id(0)
     dt = m_ptr.dtype.element_ty
@@ -192,8 +203,8 @@ def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_p
                 a_j = bw_j * rs_j
                 mc_j, um_j = _um(m_ptr, rows * C + ch_j, mask_j, mean_j, a_j, bb_j)
                 d_j = tl.where(mask_j, um_j - mu, 0.0)
-                ga_j = tl.load(ga_ptr + rows * C + ch_j, mask=mask_j, other=0.0).to(dt)
-                gb_j = tl.load(gb_ptr + rows * C + ch_j, mask=mask_j, other=0.0).to(dt)
+                ga_j = split_sum(ga_ptr, rows * C + ch_j, mask_j, GSPLIT, GSTRIDE, dt)
+                gb_j = split_sum(gb_ptr, rows * C + ch_j, mask_j, GSPLIT, GSTRIDE, dt)
                 gs_j = ga_j * a_j + gb_j * d_j
                 if not GROUP_AFFINE:
                     w_j = tl.load(w_ptr + ch_j, mask=cmask_j, other=0.0).to(dt)
@@ -210,8 +221,8 @@ def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_p
             # r = (var_g + eps)^-1/2 with var_g = mean over the group of (u_v + d^2)
             dvg = (sgs * r * r * r) * (-0.5 * inv)
             mean_gd = (r * sgb + 2.0 * dvg * sd[:, :, None]) * inv  # mean_g(gb s + 2 d dvg)
-            ga = tl.load(ga_ptr + off, mask=mask, other=0.0).to(dt)
-            gb = tl.load(gb_ptr + off, mask=mask, other=0.0).to(dt)
+            ga = split_sum(ga_ptr, off, mask, GSPLIT, GSTRIDE, dt)
+            gb = split_sum(gb_ptr, off, mask, GSPLIT, GSTRIDE, dt)
             mc, um = _um(m_ptr, off, mask, mean, a, bb)
             d = tl.where(mask, um - mu, 0.0)
             s = r * w
@@ -221,8 +232,8 @@ def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_p
             d = tl.where(mask, um - (tl.sum(um, axis=2) * inv)[:, :, None], 0.0)
             r = rsqrt(tl.sum(v * (a * a) + d * d, axis=2) * inv + EPS)[:, :, None]
             # loaded after the division: fewer live registers around its float64 slow-path call (no spills)
-            ga = tl.load(ga_ptr + off, mask=mask, other=0.0).to(dt)
-            gb = tl.load(gb_ptr + off, mask=mask, other=0.0).to(dt)
+            ga = split_sum(ga_ptr, off, mask, GSPLIT, GSTRIDE, dt)
+            gb = split_sum(gb_ptr, off, mask, GSPLIT, GSTRIDE, dt)
             s = r * w
             gs = ga * a + gb * d  # d loss / d s; zero on padding lanes
             dvg = (tl.sum(gs * w, axis=2)[:, :, None] * r * r * r) * (-0.5 * inv)
@@ -273,17 +284,20 @@ def _blocks(n: int, c: int, num_groups: int):
     return per, chunked, block_n, block_g, block_p, num_warps
 
 
-def coeff_map(m, v, mean, var, params, positions, count, *, num_groups: int, eps: float, group_affine: bool):
+def coeff_map(m, v, mean, var, params, positions, count, *, num_groups: int, eps: float, group_affine: bool,
+              first=None):
     """Triton ``normdense.layers.bcn.coeff_map`` (Eq. 40-42), one launch: ((A, B), res) with A, B (N, C) in m's
     dtype. ``positions`` and ``count`` do not enter BCN's map (as in the torch method); ``res`` is the
-    inputs, which :func:`coeff_vjp` recomputes the intermediates from."""
+    inputs, which :func:`coeff_vjp` recomputes the intermediates from. ``first``: the engine's planned first
+    stage (``first_stage.FirstStage``, whose outputs m, v, mean, var are): run in this launch."""
     bw, bb, w, b = (p.contiguous() for p in params)
     m, v, mean, var = m.contiguous(), v.contiguous(), mean.contiguous(), var.contiguous()
     n, c = m.shape
     per, chunked, block_n, block_g, block_p, warps = _blocks(n, c, num_groups)
     a_out, b_out = torch.empty_like(m), torch.empty_like(m)
     grid = (triton.cdiv(num_groups, block_g), triton.cdiv(n, block_n))
-    _bcn_map_kernel[grid](m, v, mean, var, bw, bb, w, b, a_out, b_out, n, c, num_groups, per,
+    fargs, fconst = fold_args(first, m)
+    _bcn_map_kernel[grid](m, v, mean, var, bw, bb, w, b, a_out, b_out, n, c, num_groups, per, *fargs, **fconst,
                           EPS=float(eps), GROUP_AFFINE=bool(group_affine), CHUNKED=chunked, BLOCK_N=block_n,
                           BLOCK_G=block_g, BLOCK_P=block_p, num_warps=warps)
     return (a_out, b_out), (m, v, mean, var, bw, bb, w, b)
@@ -291,20 +305,21 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups: int, eps
 
 def coeff_vjp(res, grads, wants_stats, *, num_groups: int, eps: float, group_affine: bool):
     """Triton ``BatchChannelNorm2d.coeff_vjp``, one launch: (dm, dv, dmean, dvar, (d batch_weight, d batch_bias,
-    d weight, d bias)) in m's dtype for the gradients (gA, gB) of (A, B); dmean, dvar None unless
-    ``wants_stats`` (batch statistics)."""
+    d weight, d bias)) for the gradients (gA, gB) of (A, B), each (N, C) or its (SPLIT, N, C) chunk partials
+    (added in the kernel); dm, dv, dmean, dvar in m's dtype (dmean, dvar None unless ``wants_stats``: batch
+    statistics), the parameter gradients in the parameters' dtypes."""
     m, v, mean, var, bw, bb, w, b = res
-    ga, gb = (t.contiguous() for t in grads)
+    ga, gb = (t if t.dim() == 3 else t.contiguous() for t in grads)
     n, c = m.shape
     per, chunked, block_n, block_g, block_p, warps = _blocks(n, c, num_groups)
     dm, dv = torch.empty_like(m), torch.empty_like(m)
-    dbw, dbb = m.new_empty(c), m.new_empty(c)
-    dw, db = m.new_empty(w.shape), m.new_empty(b.shape)
+    # the parameter gradients in the parameters' dtypes (written so by the kernel: no cast launch)
+    dbw, dbb, dw, db = (torch.empty_like(p) for p in (bw, bb, w, b))
     dmean, dvar = (m.new_empty(c), m.new_empty(c)) if wants_stats else (None, None)
     grid = (triton.cdiv(num_groups, block_g), triton.cdiv(per, block_p) if chunked else 1)
     _bcn_vjp_kernel[grid](m, v, mean, var, bw, bb, w, ga, gb, dm, dv,
                           dbw if dmean is None else dmean, dbw if dvar is None else dvar,  # unused if not wanted
-                          dbw, dbb, dw, db, n, c, num_groups, per, EPS=float(eps),
+                          dbw, dbb, dw, db, n, c, num_groups, per, *split_args(ga), EPS=float(eps),
                           GROUP_AFFINE=bool(group_affine), WANTS_STATS=bool(wants_stats), CHUNKED=chunked,
                           BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_P=block_p, num_warps=warps)
     return dm, dv, dmean, dvar, (dbw, dbb, dw, db)

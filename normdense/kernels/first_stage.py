@@ -47,12 +47,30 @@ def row_moments(part_ptr, rows, mask, ROWS, L, CHUNK, SPLIT, ACC: tl.constexpr):
 
 
 @triton.jit
+def split_sum(ptr, off, mask, SPLIT, STRIDE, dt: tl.constexpr):
+    """sum over s < SPLIT of ptr[s * STRIDE + off] (any tile shape), in chunk order: the backward's per-chunk
+    partial sums merged by the kernel that reads them (the order and dtype of the merge kernel it replaces)."""
+    out = tl.load(ptr + off, mask=mask, other=0.0).to(dt)
+    for s in range(1, SPLIT):
+        out += tl.load(ptr + s * STRIDE + off, mask=mask, other=0.0).to(dt)
+    return out
+
+
+def split_args(g):
+    """(SPLIT, STRIDE) of a coefficient gradient: (N, C), or the (SPLIT, N, C) chunk partials of
+    ``passes.sums(merged=False)``."""
+    return (g.shape[0], g.stride(0)) if g.dim() == 3 else (1, 0)
+
+
+@triton.jit
 def channel_stats(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat_var_ptr, base_ptr, moved_ptr,
-                  upd_ptr, nbt_ptr, N, C, L, CHUNK, SPLIT, rate_hi, rate_lo, mom_hi, mom_lo, WRITE, ch, cm, OWNER,
-                  MODE: tl.constexpr, CUMULATIVE: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
-    """(mean, var) of the channels ``ch`` (a 1-D tile, ``cm`` its mask) by MODE, in ACC. Where OWNER is nonzero
-    (one program per channel), also writes m, v (N, C) of these channels and mean, var, moved, upd, base as
-    the module docstring says. The arguments up to WRITE are :meth:`FirstStage.kernel_args`."""
+                  upd_ptr, nbt_ptr, N, C, L, CHUNK, SPLIT, rate_hi, rate_lo, mom_hi, mom_lo, WRITE, ch, cm, N_LO,
+                  N_HI, OWNER, MODE: tl.constexpr, CUMULATIVE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  ACC: tl.constexpr):
+    """(mean, var) of the channels ``ch`` (a 1-D tile, ``cm`` its mask) by MODE, in ACC; writes m, v (N, C) of
+    these channels for the samples [N_LO, N_HI), and mean, var. Where OWNER is nonzero (one program per
+    channel), also moved, upd and base, as the module docstring says. The arguments up to WRITE are
+    :meth:`FirstStage.kernel_args`."""
     rate = from_hi_lo(rate_hi, rate_lo, ACC)
     momentum = from_hi_lo(mom_hi, mom_lo, ACC)
     ROWS = N * C
@@ -69,15 +87,20 @@ def channel_stats(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat
             bv = tl.load(base_ptr + C + ch, mask=cm, other=0.0).to(ACC)
     s1 = tl.zeros(ch.shape, ACC)
     s2 = tl.zeros(ch.shape, ACC)
-    for n0 in range(0, N, BLOCK_N):
+    lo = N_LO
+    hi = N_HI
+    if MODE >= 2:  # statistics over every sample
+        lo = 0
+        hi = N
+    for n0 in range(lo, hi, BLOCK_N):
         nn = n0 + nn0
         rows = nn[:, None] * C + ch[None, :]
-        mask = (nn < N)[:, None] & cm[None, :]
+        mask = (nn < hi)[:, None] & cm[None, :]
         mean, m2 = row_moments(part_ptr, rows, mask, ROWS, L, CHUNK, SPLIT, ACC)
         var = m2 / Lf
-        if OWNER != 0:
-            tl.store(m_ptr + rows, mean, mask=mask)
-            tl.store(v_ptr + rows, var, mask=mask)
+        mine = mask & ((nn >= N_LO) & (nn < N_HI))[:, None]
+        tl.store(m_ptr + rows, mean, mask=mine)
+        tl.store(v_ptr + rows, var, mask=mine)
         if MODE == 2:  # sums of m and of v + (m - estimate)^2
             d = mean - bm[None, :]
             s1 += tl.sum(tl.where(mask, mean, 0.0), axis=0)
@@ -127,10 +150,27 @@ def channel_stats(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat
                     tl.store(upd_ptr + ch, rm + momentum * (out_mean - rm), mask=cm)
                     tl.store(upd_ptr + C + ch, rv + momentum * (unbiased - rv), mask=cm)
     if MODE != 0:
-        if OWNER != 0:
-            tl.store(mean_ptr + ch, out_mean, mask=cm)
-            tl.store(var_ptr + ch, out_var, mask=cm)
+        tl.store(mean_ptr + ch, out_mean, mask=cm)
+        tl.store(var_ptr + ch, out_var, mask=cm)
     return out_mean, out_var
+
+
+@triton.jit
+def fold(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat_var_ptr, base_ptr, moved_ptr, upd_ptr,
+         nbt_ptr, N, C, L, CHUNK, SPLIT, rate_hi, rate_lo, mom_hi, mom_lo, WRITE, C_LO, C_HI, N_LO, N_HI, OWNER,
+         MODE: tl.constexpr, CUMULATIVE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+         ACC: tl.constexpr):
+    """The first stage inside a coefficient kernel's program, before its map: for the channels [C_LO, C_HI) it
+    will read, m, v of its samples [N_LO, N_HI) and the per-channel mean, var are written where the map's
+    own loads find them, then a barrier makes them visible to every thread of the program. Programs sharing
+    channels (other sample blocks) write the same mean, var: the same bits, computed the same way from the
+    same partials; moved, upd and base are written by the OWNER program only."""
+    for c0 in range(C_LO, C_HI, BLOCK_C):
+        ch = c0 + tl.arange(0, BLOCK_C)
+        channel_stats(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat_var_ptr, base_ptr, moved_ptr,
+                      upd_ptr, nbt_ptr, N, C, L, CHUNK, SPLIT, rate_hi, rate_lo, mom_hi, mom_lo, WRITE,
+                      ch, ch < C_HI, N_LO, N_HI, OWNER, MODE, CUMULATIVE, BLOCK_N, ACC)
+    tl.debug_barrier()
 
 
 @triton.jit(do_not_specialize=['N', 'C', 'L', 'CHUNK', 'SPLIT', 'WRITE'])
@@ -142,7 +182,7 @@ def _stats_kernel(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat
     ch = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     channel_stats(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat_var_ptr, base_ptr, moved_ptr,
                   upd_ptr, nbt_ptr, N, C, L, CHUNK, SPLIT, rate_hi, rate_lo, mom_hi, mom_lo, WRITE,
-                  ch, ch < C, 1, MODE, CUMULATIVE, BLOCK_N, ACC)
+                  ch, ch < C, 0, N, 1, MODE, CUMULATIVE, BLOCK_N, ACC)
 
 
 def stat_blocks(c: int):
@@ -195,6 +235,25 @@ class FirstStage:
         _stats_kernel[(triton.cdiv(self.shape[1], block_c), )](*self._args, **self.constexprs(), BLOCK_N=block_n,
                                                                BLOCK_C=block_c, ACC=self.acc)
         return self.outputs
+
+
+# a coefficient kernel's parameters for the fold (FirstStage.kernel_args in this order): the sizes stay
+# do_not_specialize there (FOLD_SIZES), as in the standalone kernel
+FOLD_PARAMS = ('f_part', 'f_m', 'f_v', 'f_mean', 'f_var', 'f_smean', 'f_svar', 'f_base', 'f_moved', 'f_upd',
+               'f_nbt', 'fN', 'fC', 'fL', 'fCHUNK', 'fSPLIT', 'f_rate_hi', 'f_rate_lo', 'f_mom_hi', 'f_mom_lo',
+               'fWRITE')
+FOLD_SIZES = ['fN', 'fC', 'fL', 'fCHUNK', 'fSPLIT', 'fWRITE']
+
+
+def fold_args(first, like):
+    """(runtime arguments, constexprs) of a coefficient kernel's fold: ``first`` (a :class:`FirstStage`) folded
+    in, or with ``first`` None placeholders (``like``: any tensor) and FOLD off."""
+    if first is None:
+        return (like, ) * 11 + (1, 1, 1, 1, 1, 0.0, 0.0, 0.0, 0.0, 0), \
+            dict(FOLD=False, FMODE=STATS_NONE, FCUM=False, FBLOCK_N=1, FBLOCK_C=1)
+    block_n, block_c = stat_blocks(first.shape[1])
+    return first.kernel_args(), dict(FOLD=True, FMODE=first.mode, FCUM=first.cumulative, FBLOCK_N=block_n,
+                                     FBLOCK_C=block_c)
 
 
 def stats(part, split, chunk, shape, mode=STATS_NONE, stat_mean=None, stat_var=None, base=None, rate=0.0,

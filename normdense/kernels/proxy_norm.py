@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .activations import act_args, act_forward, act_grad
+from .first_stage import FOLD_SIZES, fold, fold_args, split_args, split_sum
 
 __all__ = ['coeff_map', 'coeff_vjp']
 
@@ -169,17 +170,25 @@ def _map_store(a_ptr, bb_ptr, k_ptr, l_ptr, off, mask, d, r, w, b, k, l_):
     tl.store(l_ptr + off, l_[None] + tl.zeros_like(d), mask=mask)
 
 
-@triton.jit(do_not_specialize=['N', 'C', 'G', 'per', 'S'])
+@triton.jit(do_not_specialize=['N', 'C', 'G', 'per', 'S'] + FOLD_SIZES)
 def _coeff_map_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr, a_ptr, bb_ptr, k_ptr, l_ptr,
-                      N, C, G, per, S, EPS: tl.constexpr, PROXY_EPS: tl.constexpr, ACT: tl.constexpr,
+                      N, C, G, per, S, f_part, f_m, f_v, f_mean, f_var, f_smean, f_svar, f_base, f_moved, f_upd, f_nbt,
+                      fN, fC, fL, fCHUNK, fSPLIT, f_rate_hi, f_rate_lo, f_mom_hi, f_mom_lo, fWRITE, EPS: tl.constexpr, PROXY_EPS: tl.constexpr, ACT: tl.constexpr,
                       P0: tl.constexpr, P1: tl.constexpr, AFFINE: tl.constexpr, SCALING: tl.constexpr,
                       CHUNKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
-                      BLOCK_S: tl.constexpr):
+                      BLOCK_S: tl.constexpr, FOLD: tl.constexpr, FMODE: tl.constexpr, FCUM: tl.constexpr, FBLOCK_N: tl.constexpr,
+                      FBLOCK_C: tl.constexpr):
     dt = m_ptr.dtype.element_ty
-    inv = 1.0 / tl.cast(per, dt)  # one division (a float64 one is a subroutine call)
     pid_g = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]
     rmask = rows < N
+    if FOLD:  # m, v of this program's groups and samples from the moments' partials, in this launch
+        n_lo = tl.program_id(1) * BLOCK_N
+        fold(f_part, f_m, f_v, f_mean, f_var, f_smean, f_svar, f_base, f_moved, f_upd, f_nbt, fN, fC, fL, fCHUNK,
+             fSPLIT, f_rate_hi, f_rate_lo, f_mom_hi, f_mom_lo, fWRITE, pid_g * BLOCK_G * per,
+             tl.minimum(pid_g * BLOCK_G + BLOCK_G, G) * per, n_lo, tl.minimum(n_lo + BLOCK_N, N),
+             tl.program_id(1) == 0, FMODE, FCUM, FBLOCK_N, FBLOCK_C, dt)
+    inv = 1.0 / tl.cast(per, dt)  # one division (a float64 one is a subroutine call)
     if CHUNKED:
         mu, r = _gn_chunked(m_ptr, v_ptr, pid_g, rows, rmask, C, G, per, inv, EPS, BLOCK_G, BLOCK_P)
         for p0 in range(0, per, BLOCK_P):
@@ -200,11 +209,11 @@ def _coeff_map_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr, a_ptr, 
         _map_store(a_ptr, bb_ptr, k_ptr, l_ptr, off, mask, d, r, w, b, k, l_)
 
 
-@triton.jit(do_not_specialize=['N', 'C', 'G', 'per', 'S'])
+@triton.jit(do_not_specialize=['N', 'C', 'G', 'per', 'S', 'GSPLIT', 'GSTRIDE'])
 def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
                       ga_ptr, gb_ptr, gk_ptr, gl_ptr, s_ga_n, s_ga_c, s_gb_n, s_gb_c, s_gk_n, s_gk_c, s_gl_n, s_gl_c,
                       dm_ptr, dv_ptr, dw_ptr, db_ptr, dpb_ptr, dpg_ptr,
-                      N, C, G, per, S, EPS: tl.constexpr, PROXY_EPS: tl.constexpr, ACT: tl.constexpr,
+                      N, C, G, per, S, GSPLIT, GSTRIDE, EPS: tl.constexpr, PROXY_EPS: tl.constexpr, ACT: tl.constexpr,
                       P0: tl.constexpr, P1: tl.constexpr, AFFINE: tl.constexpr, SCALING: tl.constexpr,
                       CHUNKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
                       BLOCK_S: tl.constexpr):
@@ -232,8 +241,8 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
                 mask_j = rmask & cmask_j[None]
                 ch3 = ch_j[None]
                 d_j = tl.where(mask_j, tl.load(m_ptr + rows * C + ch3, mask=mask_j, other=0.0) - mu, 0.0)
-                ga_j = tl.load(ga_ptr + rows * s_ga_n + ch3 * s_ga_c, mask=mask_j, other=0.0).to(dt)
-                gb_j = tl.load(gb_ptr + rows * s_gb_n + ch3 * s_gb_c, mask=mask_j, other=0.0).to(dt)
+                ga_j = split_sum(ga_ptr, rows * s_ga_n + ch3 * s_ga_c, mask_j, GSPLIT, GSTRIDE, dt)
+                gb_j = split_sum(gb_ptr, rows * s_gb_n + ch3 * s_gb_c, mask_j, GSPLIT, GSTRIDE, dt)
                 w_j = tl.load(w_ptr + ch3, mask=cmask_j[None], other=0.0).to(dt)
                 sgw += tl.sum((ga_j + gb_j * d_j) * w_j, axis=2)
                 sgb += tl.sum(gb_j * w_j, axis=2)
@@ -242,19 +251,19 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
             dvg = sgw[:, :, None] * (r * r * r * -0.5) * inv
             mean_gd = (r * sgb[:, :, None] + 2.0 * dvg * sd[:, :, None]) * inv  # mean_g(gb r gamma + 2 d dvg)
             d = tl.where(mask, tl.load(m_ptr + off, mask=mask, other=0.0) - mu, 0.0)
-            ga = tl.load(ga_ptr + rows * s_ga_n + ch[None] * s_ga_c, mask=mask, other=0.0).to(dt)
-            gb = tl.load(gb_ptr + rows * s_gb_n + ch[None] * s_gb_c, mask=mask, other=0.0).to(dt)
+            ga = split_sum(ga_ptr, rows * s_ga_n + ch[None] * s_ga_c, mask, GSPLIT, GSTRIDE, dt)
+            gb = split_sum(gb_ptr, rows * s_gb_n + ch[None] * s_gb_c, mask, GSPLIT, GSTRIDE, dt)
             ga_t = ga + gb * d  # total gradient of A (B = beta + A d)
         else:
             d, r = _gn_stage(m_ptr, v_ptr, off, mask, inv, EPS)
             # loaded after the division: fewer live registers around its float64 slow-path call (no spills)
-            ga = tl.load(ga_ptr + rows * s_ga_n + ch[None] * s_ga_c, mask=mask, other=0.0).to(dt)
-            gb = tl.load(gb_ptr + rows * s_gb_n + ch[None] * s_gb_c, mask=mask, other=0.0).to(dt)
+            ga = split_sum(ga_ptr, rows * s_ga_n + ch[None] * s_ga_c, mask, GSPLIT, GSTRIDE, dt)
+            gb = split_sum(gb_ptr, rows * s_gb_n + ch[None] * s_gb_c, mask, GSPLIT, GSTRIDE, dt)
             ga_t = ga + gb * d
             dvg = tl.sum(ga_t * w[None], axis=2)[:, :, None] * (r * r * r * -0.5) * inv
             mean_gd = tl.sum(tl.where(mask, gb * (r * w[None]) + d * 2.0 * dvg, 0.0), axis=2)[:, :, None] * inv
-        gk3 += tl.load(gk_ptr + rows * s_gk_n + ch[None] * s_gk_c, mask=mask, other=0.0).to(dt)
-        gl3 += tl.load(gl_ptr + rows * s_gl_n + ch[None] * s_gl_c, mask=mask, other=0.0).to(dt)
+        gk3 += split_sum(gk_ptr, rows * s_gk_n + ch[None] * s_gk_c, mask, GSPLIT, GSTRIDE, dt)
+        gl3 += split_sum(gl_ptr, rows * s_gl_n + ch[None] * s_gl_c, mask, GSPLIT, GSTRIDE, dt)
         dw3 += ga_t * r
         db3 += gb
         gd = gb * (r * w[None]) + d * 2.0 * dvg
@@ -307,17 +316,19 @@ def _config(m, num_groups, num_samples, act, act_kwargs):
 
 
 def coeff_map(m, v, mean, var, params, positions, count, *, num_groups, eps, act, act_kwargs, proxy_eps,
-              proxy_scaling, proxy_affine, quantiles):
+              proxy_scaling, proxy_affine, quantiles, first=None):
     """``normdense.layers.proxy_norm.coeff_map`` in one launch: ((A, B, K, L), residuals), each coefficient (N, C)
     in m's dtype. ``quantiles`` are the proxy samples q (num_samples,) (the layer's cached quantiles); ``mean``,
-    ``var``, ``positions`` and ``count`` are unused (GN+PN has no first stage)."""
+    ``var``, ``positions`` and ``count`` are unused (GN+PN has no first stage). ``first``: the engine's planned
+    moments merge (``first_stage.FirstStage``, whose outputs m, v are): run in this launch."""
     weight, bias, proxy_beta, proxy_gamma = params
     m, v = m.contiguous(), v.contiguous()
     n, c, per, (grid, _), blocks = _config(m, num_groups, quantiles.numel(), act, act_kwargs)
     a, b, k, l_ = (torch.empty_like(m) for _ in range(4))
     pb, pg = (proxy_beta, proxy_gamma) if proxy_affine else (weight, weight)  # not read without proxy_affine
+    fargs, fconst = fold_args(first, m)
     _coeff_map_kernel[grid](m, v, weight, bias, pb, pg, quantiles, a, b, k, l_, n, c, num_groups, per,
-                            quantiles.numel(), EPS=float(eps), PROXY_EPS=float(proxy_eps), AFFINE=bool(proxy_affine),
+                            quantiles.numel(), *fargs, **fconst, EPS=float(eps), PROXY_EPS=float(proxy_eps), AFFINE=bool(proxy_affine),
                             SCALING=bool(proxy_scaling), **blocks)
     return (a, b, k, l_), (m, v, params, quantiles)
 
@@ -325,19 +336,21 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups, eps, act
 def coeff_vjp(res, grads, wants_stats, *, num_groups, eps, act, act_kwargs, proxy_eps, proxy_scaling,
               proxy_affine):
     """``GroupProxyNorm.coeff_vjp`` in one launch: (dm, dv, None, None, (d weight, d bias, d proxy_beta,
-    d proxy_gamma)) in m's dtype (the proxy ones None without proxy_affine), for ``grads`` = (gA, gB, gK, gL),
-    each (N, C) with any strides."""
+    d proxy_gamma)) (the proxy ones None without proxy_affine) for ``grads`` = (gA, gB, gK, gL), each (N, C)
+    with any strides or the (SPLIT, N, C) chunk partials (added in the kernel); dm, dv in m's dtype, the
+    parameter gradients in the parameters' dtypes."""
     m, v, params, quantiles = res
     weight, bias, proxy_beta, proxy_gamma = params
     ga, gb, gk, gl = grads
     n, c, per, (_, grid), blocks = _config(m, num_groups, quantiles.numel(), act, act_kwargs)
     dm, dv = torch.empty_like(m), torch.empty_like(m)
-    dw, db = m.new_empty(c), m.new_empty(c)
-    dpb, dpg = (m.new_empty(c), m.new_empty(c)) if proxy_affine else (dw, dw)  # not written without
+    # the parameter gradients in the parameters' dtypes (written so by the kernel: no cast launch)
+    dw, db = torch.empty_like(weight), torch.empty_like(bias)
+    dpb, dpg = (torch.empty_like(proxy_beta), torch.empty_like(proxy_gamma)) if proxy_affine else (dw, dw)
     pb, pg = (proxy_beta, proxy_gamma) if proxy_affine else (weight, weight)
-    _coeff_vjp_kernel[grid](m, v, weight, bias, pb, pg, quantiles, ga, gb, gk, gl, *ga.stride(), *gb.stride(),
-                            *gk.stride(), *gl.stride(), dm, dv, dw, db, dpb, dpg, n, c, num_groups, per,
-                            quantiles.numel(), EPS=float(eps), PROXY_EPS=float(proxy_eps), AFFINE=bool(proxy_affine),
+    strides = [s for g in (ga, gb, gk, gl) for s in g.stride()[-2:]]  # (n, c) strides; the chunks' is shared
+    _coeff_vjp_kernel[grid](m, v, weight, bias, pb, pg, quantiles, ga, gb, gk, gl, *strides, dm, dv, dw, db, dpb,
+                            dpg, n, c, num_groups, per, quantiles.numel(), *split_args(ga), EPS=float(eps), PROXY_EPS=float(proxy_eps), AFFINE=bool(proxy_affine),
                             SCALING=bool(proxy_scaling), **blocks)
     dparams = (dw, db, dpb, dpg) if proxy_affine else (dw, db, None, None)
     return dm, dv, None, None, dparams

@@ -1,6 +1,8 @@
 """The Triton backend of the StatNorm engine: ``aten.AtenBackend``'s interface on the kernels of ``passes.py``
-(CUDA; CPU tensors under Triton's interpreter). Launches per training step of a layer: moments, stats, the
-layer's coefficient kernel, apply (forward); sums [, merge], the layer's VJP kernel, dx (backward): at most 8.
+(CUDA; CPU tensors under Triton's interpreter). Launches per training step of a layer: moments, the layer's
+coefficient kernel (with the first stage folded in), apply (forward); sums, the layer's VJP kernel (adding
+the chunks' partial sums as it loads them), dx (backward): 6. With ``sync_stats`` across processes the
+statistics go through torch code between the kernels: the stats kernel, the all-reduces, a merge.
 
 The module's state changes (estimates, running statistics, num_batches_tracked) happen in the forward's last
 kernel (apply), so a kernel failing to compile under backend 'auto' leaves the module as it was. Imports no
@@ -19,7 +21,7 @@ def _act(act):
 
 class TritonBackend:
     name = 'triton'  # x3 in one of the layouts of layout(), dy in x3's
-    FOLD_STATS = False  # the layers' map kernels run the first stage (first_stage.channel_stats) themselves
+    FOLD_STATS = True  # the layers' map kernels run the first stage (first_stage.channel_stats) themselves
 
     @staticmethod
     def prepare(coeffs, v):
@@ -65,8 +67,10 @@ class TritonBackend:
         return P.apply(x3, m, v, coeffs, _act(act), out_dtype, write, nbt)
 
     @staticmethod
-    def sums(x3, dy, m, v, coeffs, act=None):
-        return P.sums(x3, dy, m, v, coeffs, _act(act)), None
+    def sums(x3, dy, m, v, coeffs, act=None, merged=True):
+        """The coefficients' gradients, each (N, C), or (``merged`` False) the chunks' (SPLIT, N, C) partials that
+        the layers' Triton VJP kernels and dx add as they load them."""
+        return P.sums(x3, dy, m, v, coeffs, _act(act), merged=merged), None
 
     @staticmethod
     def dx(x3, dy, m, v, coeffs, dm, dv, gsum, act=None, batch=None, state=None):

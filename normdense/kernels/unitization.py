@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .first_stage import FOLD_SIZES, fold, fold_args, split_args, split_sum
 from .scalars import from_hi_lo, hi_lo
 
 
@@ -55,14 +56,21 @@ def _channels(rows, rmask, cols, C, mean_ptr, var_ptr, f, eps, dt):
     return cmask, mask, rows[:, None] * C + cols[None, :], mean, den
 
 
-@triton.jit(do_not_specialize=['N', 'C'])
+@triton.jit(do_not_specialize=['N', 'C'] + FOLD_SIZES)
 def _coeff_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, b_ptr, a_ptr, bo_ptr, p_ptr, N, C,
-                      eps_hi, eps_lo, k_hi, k_lo, f_hi, f_lo,
-                      AFFINE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+                      eps_hi, eps_lo, k_hi, k_lo, f_hi, f_lo, f_part, f_m, f_v, f_mean, f_var, f_smean, f_svar, f_base, f_moved, f_upd, f_nbt,
+                      fN, fC, fL, fCHUNK, fSPLIT, f_rate_hi, f_rate_lo, f_mom_hi, f_mom_lo, fWRITE,
+                      AFFINE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, FOLD: tl.constexpr, FMODE: tl.constexpr, FCUM: tl.constexpr, FBLOCK_N: tl.constexpr,
+                      FBLOCK_C: tl.constexpr):
     dt = m_ptr.dtype.element_ty
     eps, k, f = from_hi_lo(eps_hi, eps_lo, dt), from_hi_lo(k_hi, k_lo, dt), from_hi_lo(f_hi, f_lo, dt)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
+    if FOLD:  # the first stage of every channel (p sums over all) and this program's samples, in this launch
+        n_lo = tl.program_id(0) * BLOCK_N
+        fold(f_part, f_m, f_v, f_mean, f_var, f_smean, f_svar, f_base, f_moved, f_upd, f_nbt, fN, fC, fL, fCHUNK,
+             fSPLIT, f_rate_hi, f_rate_lo, f_mom_hi, f_mom_lo, fWRITE, 0, C, n_lo,
+             tl.minimum(n_lo + BLOCK_N, N), tl.program_id(0) == 0, FMODE, FCUM, FBLOCK_N, FBLOCK_C, dt)
     cols0 = tl.arange(0, BLOCK_C)
     # sum_c e rs^2 per sample (Algorithm 2 lines 9-10); padded lanes give e = 0
     s = tl.zeros([BLOCK_N], dtype=dt)
@@ -93,9 +101,9 @@ def _coeff_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, b_ptr, 
         tl.store(bo_ptr + idx, b, mask=mask)
 
 
-@triton.jit(do_not_specialize=['N', 'C'])
+@triton.jit(do_not_specialize=['N', 'C', 'GSPLIT', 'GSTRIDE'])
 def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, p_ptr, ga_ptr, gb_ptr,
-                      dm_ptr, de_ptr, dmean_ptr, dvar_ptr, dalpha_ptr, dw_ptr, db_ptr, N, C,
+                      dm_ptr, de_ptr, dmean_ptr, dvar_ptr, dalpha_ptr, dw_ptr, db_ptr, N, C, GSPLIT, GSTRIDE,
                       eps_hi, eps_lo, k_hi, k_lo, f_hi, f_lo,
                       AFFINE: tl.constexpr, WANTS_STATS: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -133,15 +141,15 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, p_ptr, 
             coef = tl.load(alpha_ptr + cj, mask=cjm, other=0.0).to(dt) * rs_j
             if AFFINE:
                 coef = coef * tl.load(w_ptr + cj, mask=cjm, other=0.0).to(dt)
-            ga_t = (tl.load(ga_ptr + idx, mask=mask, other=0.0)
-                    + tl.load(gb_ptr + idx, mask=mask, other=0.0)
+            ga_t = (split_sum(ga_ptr, idx, mask, GSPLIT, GSTRIDE, dt)
+                    + split_sum(gb_ptr, idx, mask, GSPLIT, GSTRIDE, dt)
                     * (tl.load(m_ptr + idx, mask=mask, other=0.0) - mean_j[None, :]))
             t += tl.sum(tl.where(mask, ga_t * coef[None, :], 0.0), axis=1)
         ds = t * p * p * p * (-0.5 * k)  # d loss / d (sum_c e rs^2), per sample
         mask = rmask[:, None] & cmask[None, :]
         idx = rows[:, None] * C + cols[None, :]
-        ga = tl.load(ga_ptr + idx, mask=mask, other=0.0)
-        gb = tl.load(gb_ptr + idx, mask=mask, other=0.0)
+        ga = split_sum(ga_ptr, idx, mask, GSPLIT, GSTRIDE, dt)
+        gb = split_sum(gb_ptr, idx, mask, GSPLIT, GSTRIDE, dt)
         mc = tl.load(m_ptr + idx, mask=mask, other=0.0) - mean[None, :]
         ga_t = ga + gb * mc  # B = A mc + beta
         sc0 = p[:, None] * alpha[None, :] + (1.0 - alpha)[None, :]
@@ -181,11 +189,12 @@ def _scalars(eps, positions, count, n, norm_divisor, var_correction):
 
 
 def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None, norm_divisor='hw',
-              var_correction='none'):
+              var_correction='none', first=None):
     """``normdense.layers.unitization.coeff_map`` in one launch: ((A, B), res) for y = A (x - m) + B, each (N, C).
 
     ``count`` (an int) marks batch statistics (its variance factor applies), None fixed ones (estimate mode,
-    eval). ``res`` holds the inputs, p and the scalars: the VJP recomputes the rest.
+    eval). ``res`` holds the inputs, p and the scalars: the VJP recomputes the rest. ``first``: the engine's
+    planned first stage (``first_stage.FirstStage``, whose outputs m, v, mean, var are): run in this launch.
     """
     alpha, w, b = params
     N, C = m.shape
@@ -196,26 +205,30 @@ def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None,
     scalars = _scalars(eps, positions, count, n, norm_divisor, var_correction)
     split = [h for s in scalars for h in hi_lo(s)]
     block_n, block_c = _blocks(C)
+    fargs, fconst = fold_args(first, m)
     _coeff_map_kernel[(triton.cdiv(N, block_n),)](
         m, v, mean, var, alpha, w if affine else alpha, b if affine else alpha, a, b_out, p, N, C, *split,
-        AFFINE=affine, BLOCK_N=block_n, BLOCK_C=block_c)
+        *fargs, AFFINE=affine, BLOCK_N=block_n, BLOCK_C=block_c, **fconst)
     return (a, b_out), (m, v, mean, var, alpha, w if affine else None, p, split)
 
 
 def coeff_vjp(res, grads, wants_stats, *, affine):
     """``Unitization2d.coeff_vjp`` in one launch: (dm, dv, dmean, dvar, (d alpha, d weight, d bias)),
-    dmean/dvar only when ``wants_stats``, d weight/d bias only with ``affine``; all in m's dtype."""
+    dmean/dvar only when ``wants_stats``, d weight/d bias only with ``affine``; for ``grads`` (gA, gB), each
+    (N, C) or its (SPLIT, N, C) chunk partials (added in the kernel). dm, dv, dmean, dvar in m's dtype, the
+    parameter gradients in the parameters' dtypes."""
     m, v, mean, var, alpha, w, p, split = res
-    ga, gb = (g.contiguous() for g in grads)
+    ga, gb = (g if g.dim() == 3 else g.contiguous() for g in grads)
     N, C = m.shape
     dm, de = torch.empty_like(m), torch.empty_like(m)
-    dalpha = m.new_empty(C)
-    dw, db = (m.new_empty(C), m.new_empty(C)) if affine else (None, None)
+    # the parameter gradients in the parameters' dtypes (written so by the kernel: no cast launch)
+    dalpha = torch.empty_like(alpha)
+    dw, db = (torch.empty_like(w), torch.empty_like(w)) if affine else (None, None)
     dmean, dvar = (m.new_empty(C), m.new_empty(C)) if wants_stats else (None, None)
     block_n, block_c = _blocks(C)
     _coeff_vjp_kernel[(triton.cdiv(C, block_c),)](
         m, v, mean, var, alpha, w if affine else alpha, p, ga, gb, dm, de,
         dmean if wants_stats else dalpha, dvar if wants_stats else dalpha, dalpha,
-        dw if affine else dalpha, db if affine else dalpha, N, C, *split,
+        dw if affine else dalpha, db if affine else dalpha, N, C, *split_args(ga), *split,
         AFFINE=affine, WANTS_STATS=wants_stats, BLOCK_N=block_n, BLOCK_C=block_c)
     return dm, de, dmean, dvar, (dalpha, dw, db)

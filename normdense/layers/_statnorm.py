@@ -170,6 +170,7 @@ class StatNorm2d(nn.Module):
             triton = be is not AtenBackend and not isinstance(stats[3], torch.Tensor)
             call = types.SimpleNamespace(
                 backend=be, maps=self._coeff_maps(triton), fallback_maps=self._coeff_maps(False) if triton else None,
+                triton_maps=triton,
                 option=self.backend, act=self._statnorm_act(), m=m, v=v, stats=stats, out_dtype=out_dtype,
                 fold={} if first is None else {'first': first},
                 ends_iteration=self.mode == 'estimate' and self.training)
@@ -269,7 +270,8 @@ def _backward(ctx, x3, dy):
     call, pc = ctx.call, ctx.pc
     be, m, v, act = call.backend, call.m, call.v, call.act
     kind, mean, var, count = call.stats
-    grads, state = be.sums(x3, dy, m, v, pc, act)
+    # the Triton maps add the chunks' partial sums as they load them: no merge launch
+    grads, state = be.sums(x3, dy, m, v, pc, act, merged=not call.triton_maps)
     dm, dv, dmean, dvar, dparams = call.maps[1](ctx.res, grads, kind in ('batch', 'synced'))
     if kind == 'synced':  # every process joins the VJP's all-reduces, whether it needs dx or not
         dm, dv = synced_batch_moments_vjp(m, mean, count, x3.shape[2], dm, dv, dmean, dvar)
@@ -296,7 +298,7 @@ def _backward_or_fallback(ctx, dy):
         except errors as e:  # a Triton backward kernel failed to compile: ATen, from the same statistics
             _backend.give_up_triton(call.option, e)
             ctx.call = call = types.SimpleNamespace(**{**vars(call), 'backend': AtenBackend,
-                                                       'maps': call.fallback_maps})
+                                                       'maps': call.fallback_maps, 'triton_maps': False})
             kind, mean, var, count = call.stats
             coeffs, ctx.res = call.maps[0](call.m, call.v, mean, var, ctx.params, x3.shape[2], count)
             ctx.pc = AtenBackend.prepare(coeffs, call.v)

@@ -147,11 +147,13 @@ def _triton_kwargs(cfg):
     return kw
 
 
-def _triton_coeff_map(cfg, m, v, mean, var, params, positions, count):
-    """:func:`coeff_map` as one Triton launch (``normdense/kernels/proxy_norm.py``), on the same cached quantiles."""
+def _triton_coeff_map(cfg, m, v, mean, var, params, positions, count, first=None):
+    """:func:`coeff_map` as one Triton launch (``normdense/kernels/proxy_norm.py``), on the same cached quantiles;
+    ``first``: the engine's planned moments merge, run in the same launch."""
     from ..kernels import proxy_norm as kernels  # triton imported only when this backend is used
     q = _cached_quantiles(cfg.num_samples, m.dtype, m.device)
-    return kernels.coeff_map(m, v, mean, var, params, positions, count, quantiles=q, **_triton_kwargs(cfg))
+    return kernels.coeff_map(m, v, mean, var, params, positions, count, quantiles=q, first=first,
+                             **_triton_kwargs(cfg))
 
 
 def _triton_coeff_vjp(cfg, res, grads, wants_stats):

@@ -37,7 +37,8 @@ import time
 
 # the size arguments: declared do_not_specialize, so a new image or batch size (divisible by 16 or not, 1 or
 # not) never makes Triton compile another variant
-SIZES = {'N', 'C', 'G', 'L', 'ROWS', 'CHUNK', 'SPLIT', 'SIZE', 'PER', 'per', 'S'}
+SIZES = {'N', 'C', 'G', 'L', 'ROWS', 'CHUNK', 'SPLIT', 'SIZE', 'PER', 'per', 'S', 'GSPLIT', 'GSTRIDE',
+         'fN', 'fC', 'fL', 'fCHUNK', 'fSPLIT'}  # the f*: a map kernel's folded first stage
 
 
 def specialized_sizes(fn):

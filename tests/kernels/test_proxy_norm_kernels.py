@@ -71,9 +71,15 @@ def _check(act, scaling, affine, shape, dtype, device, param_dtype=None, strided
     for a, e in zip(actual[:4], expected[:4]):
         _close(a, e, TOL[dtype])
     assert len(actual[4]) == 4
-    for a, e in zip(actual[4], expected[4]):
-        _close(a, e, TOL[dtype])
-        assert a is None or a.dtype == dtype
+    for a, e, p in zip(actual[4], expected[4], params):  # parameter gradients in the parameters' dtypes
+        if p is None:  # no proxy affine
+            assert a is None and e is None
+            continue
+        assert a is None or a.dtype == p.dtype
+        # rounded once to the parameter dtype where it is coarser than the compute dtype
+        coarse = p.dtype if p.dtype.itemsize < torch.finfo(dtype).bits // 8 else dtype
+        tol = dict(rtol=1e-2, atol=1e-2) if coarse in (torch.float16, torch.bfloat16) else TOL[coarse]
+        _close(None if a is None else a.to(dtype), e, tol)
 
 
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32], ids=str)
@@ -164,4 +170,4 @@ def test_kernels_import_nothing_above_them():
         tree = ast.parse(open(module.__file__).read())
         names = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
         names |= {'.' * node.level + (node.module or '') for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-        assert names <= {'torch', 'triton', 'triton.language', '.activations'}, names
+        assert names <= {'torch', 'triton', 'triton.language', '.activations', '.first_stage'}, names
