@@ -31,7 +31,9 @@ from .scalars import from_hi_lo, hi_lo
 def row_moments(part_ptr, rows, mask, ROWS, L, CHUNK, SPLIT, ACC: tl.constexpr):
     """(mean, centred sum of squares) of the rows ``rows`` (any tile shape) from the chunks' partials (SPLIT, 2,
     ROWS), merged in chunk order with Chan et al.'s update (deterministic; no E[x^2] - E[x]^2)."""
-    cnt = tl.zeros(rows.shape, ACC)
+    # every row has the same chunk sizes: the weights are scalars (a float64 division is a subroutine call on
+    # sm_90, with register saves around it: none per element)
+    cnt = tl.zeros([], ACC)
     mean = tl.zeros(rows.shape, ACC)
     m2 = tl.zeros(rows.shape, ACC)
     for s in range(0, SPLIT):
@@ -75,6 +77,8 @@ def channel_stats(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat
     momentum = from_hi_lo(mom_hi, mom_lo, ACC)
     ROWS = N * C
     Lf = L.to(ACC)
+    inv_l = 1.0 / Lf  # scalars: multiplications per element, no float64 division calls
+    inv_n = 1.0 / N.to(ACC)
     nn0 = tl.arange(0, BLOCK_N)
     bm = tl.zeros(ch.shape, ACC)  # ESTIMATE: the iteration's starting estimates
     bv = tl.zeros(ch.shape, ACC)
@@ -97,7 +101,7 @@ def channel_stats(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat
         rows = nn[:, None] * C + ch[None, :]
         mask = (nn < hi)[:, None] & cm[None, :]
         mean, m2 = row_moments(part_ptr, rows, mask, ROWS, L, CHUNK, SPLIT, ACC)
-        var = m2 / Lf
+        var = m2 * inv_l
         mine = mask & ((nn >= N_LO) & (nn < N_HI))[:, None]
         tl.store(m_ptr + rows, mean, mask=mine)
         tl.store(v_ptr + rows, var, mask=mine)
@@ -107,15 +111,14 @@ def channel_stats(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat
             s2 += tl.sum(tl.where(mask, var + d * d, 0.0), axis=0)
         if MODE == 3:
             s1 += tl.sum(tl.where(mask, mean, 0.0), axis=0)
-    Nf = N.to(ACC)
     out_mean = tl.zeros(ch.shape, ACC)
     out_var = tl.zeros(ch.shape, ACC)
     if MODE == 1:
         out_mean = tl.load(stat_mean_ptr + ch, mask=cm, other=0.0).to(ACC)
         out_var = tl.load(stat_var_ptr + ch, mask=cm, other=0.0).to(ACC)
     if MODE == 2:
-        bmean = s1 / Nf
-        bm2 = s2 / Nf
+        bmean = s1 * inv_n
+        bm2 = s2 * inv_n
         out_mean = bm + rate * (bmean - bm)
         out_var = bv + rate * (bm2 - bv)
         if OWNER != 0:
@@ -127,25 +130,25 @@ def channel_stats(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat
                 tl.store(upd_ptr + ch, out_mean, mask=cm)
                 tl.store(upd_ptr + C + ch, out_var, mask=cm)
     if MODE == 3:
-        out_mean = s1 / Nf
+        out_mean = s1 * inv_n
         for n0 in range(0, N, BLOCK_N):  # second pass: centred on the batch mean
             nn = n0 + nn0
             rows = nn[:, None] * C + ch[None, :]
             mask = (nn < N)[:, None] & cm[None, :]
             mean, m2 = row_moments(part_ptr, rows, mask, ROWS, L, CHUNK, SPLIT, ACC)
             d = mean - out_mean[None, :]
-            s2 += tl.sum(tl.where(mask, m2 / Lf + d * d, 0.0), axis=0)
-        out_var = s2 / Nf
+            s2 += tl.sum(tl.where(mask, m2 * inv_l + d * d, 0.0), axis=0)
+        out_var = s2 * inv_n
         if OWNER != 0:
             if WRITE != 0:
                 rm = tl.load(stat_mean_ptr + ch, mask=cm, other=0.0).to(ACC)
                 rv = tl.load(stat_var_ptr + ch, mask=cm, other=0.0).to(ACC)
-                k = Nf * Lf
+                k = N.to(ACC) * Lf
                 unbiased = out_var * (k / (k - 1.0))
-                if CUMULATIVE:  # divided, not multiplied by 1 / count: a float32 literal 1.0 would round it
-                    tracked = (tl.load(nbt_ptr) + 1).to(ACC)
-                    tl.store(upd_ptr + ch, rm + (out_mean - rm) / tracked, mask=cm)
-                    tl.store(upd_ptr + C + ch, rv + (unbiased - rv) / tracked, mask=cm)
+                if CUMULATIVE:  # the weight 1 / (tracked + 1), as torch's lerp with it
+                    w = 1.0 / (tl.load(nbt_ptr) + 1).to(ACC)
+                    tl.store(upd_ptr + ch, rm + (out_mean - rm) * w, mask=cm)
+                    tl.store(upd_ptr + C + ch, rv + (unbiased - rv) * w, mask=cm)
                 else:
                     tl.store(upd_ptr + ch, rm + momentum * (out_mean - rm), mask=cm)
                     tl.store(upd_ptr + C + ch, rv + momentum * (unbiased - rv), mask=cm)
@@ -155,7 +158,7 @@ def channel_stats(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat
     return out_mean, out_var
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def fold(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat_var_ptr, base_ptr, moved_ptr, upd_ptr,
          nbt_ptr, N, C, L, CHUNK, SPLIT, rate_hi, rate_lo, mom_hi, mom_lo, WRITE, C_LO, C_HI, N_LO, N_HI, OWNER,
          MODE: tl.constexpr, CUMULATIVE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -185,10 +188,11 @@ def _stats_kernel(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat
                   ch, ch < C, 0, N, 1, MODE, CUMULATIVE, BLOCK_N, ACC)
 
 
-def stat_blocks(c: int):
-    """(BLOCK_N, BLOCK_C) of the first stage's tiles: keyed on C only (<= 1024 elements)."""
+def stat_blocks(c: int, dtype=torch.float32):
+    """(BLOCK_N, BLOCK_C) of the first stage's tiles: keyed on C and the compute dtype only, <= 512 elements
+    (256 in float64): larger tiles spilled registers inside the map kernels on sm_90 (ptxas -v)."""
     block_c = min(triton.next_power_of_2(max(c, 1)), 128)
-    return max(1, 1024 // block_c), block_c
+    return max(1, (256 if dtype == torch.float64 else 512) // block_c), block_c
 
 
 def acc_dtype(dtype: torch.dtype):
@@ -215,7 +219,7 @@ class FirstStage:
         upd = torch.empty(2, c, dtype=dt, device=dev) if write else None
         self.outputs = (m, v, mean, var, moved, upd)
         self.mode, self.cumulative = mode, mode == STATS_BATCH and momentum is None
-        self.shape, self.acc = (n, c, length), acc_dtype(dt)
+        self.shape, self.dtype, self.acc = (n, c, length), dt, acc_dtype(dt)
 
         def ptr(t):
             return m if t is None else t  # an unused pointer argument: any tensor
@@ -231,7 +235,7 @@ class FirstStage:
 
     def launch(self):
         """The standalone stats kernel: one program per block of channels."""
-        block_n, block_c = stat_blocks(self.shape[1])
+        block_n, block_c = stat_blocks(self.shape[1], self.dtype)
         _stats_kernel[(triton.cdiv(self.shape[1], block_c), )](*self._args, **self.constexprs(), BLOCK_N=block_n,
                                                                BLOCK_C=block_c, ACC=self.acc)
         return self.outputs
@@ -251,7 +255,7 @@ def fold_args(first, like):
     if first is None:
         return (like, ) * 11 + (1, 1, 1, 1, 1, 0.0, 0.0, 0.0, 0.0, 0), \
             dict(FOLD=False, FMODE=STATS_NONE, FCUM=False, FBLOCK_N=1, FBLOCK_C=1)
-    block_n, block_c = stat_blocks(first.shape[1])
+    block_n, block_c = stat_blocks(first.shape[1], first.dtype)
     return first.kernel_args(), dict(FOLD=True, FMODE=first.mode, FCUM=first.cumulative, FBLOCK_N=block_n,
                                      FBLOCK_C=block_c)
 

@@ -40,10 +40,11 @@ def _rsqrt(x):
     return out
 
 
-def _blocks(channels: int):
-    """(BLOCK_N, BLOCK_C) for C channels: a fixed menu, tiles of at most 1024 elements."""
+def _blocks(channels: int, dtype=torch.float32):
+    """(BLOCK_N, BLOCK_C) for C channels: a fixed menu, tiles of at most 1024 elements (256 in float64:
+    larger ones spilled registers around float64 divisions on sm_90, ptxas -v)."""
     block_c = min(triton.next_power_of_2(channels), 128)
-    return min(16, 1024 // block_c), block_c
+    return min(16, (256 if dtype == torch.float64 else 1024) // block_c), block_c
 
 
 @triton.jit
@@ -204,7 +205,7 @@ def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None,
     p = m.new_empty(N)
     scalars = _scalars(eps, positions, count, n, norm_divisor, var_correction)
     split = [h for s in scalars for h in hi_lo(s)]
-    block_n, block_c = _blocks(C)
+    block_n, block_c = _blocks(C, m.dtype)
     fargs, fconst = fold_args(first, m)
     _coeff_map_kernel[(triton.cdiv(N, block_n),)](
         m, v, mean, var, alpha, w if affine else alpha, b if affine else alpha, a, b_out, p, N, C, *split,
@@ -225,7 +226,7 @@ def coeff_vjp(res, grads, wants_stats, *, affine):
     dalpha = torch.empty_like(alpha)
     dw, db = (torch.empty_like(w), torch.empty_like(w)) if affine else (None, None)
     dmean, dvar = (m.new_empty(C), m.new_empty(C)) if wants_stats else (None, None)
-    block_n, block_c = _blocks(C)
+    block_n, block_c = _blocks(C, m.dtype)
     _coeff_vjp_kernel[(triton.cdiv(C, block_c),)](
         m, v, mean, var, alpha, w if affine else alpha, p, ga, gb, dm, de,
         dmean if wants_stats else dalpha, dvar if wants_stats else dalpha, dalpha,

@@ -21,8 +21,8 @@ def _values(upd, running_mean, running_var):
     (STATS_ESTIMATE, 0.1, True), (STATS_BATCH, 0.1, False), (STATS_BATCH, 0.1, True), (STATS_BATCH, None, True)])
 def test_stats_equal_aten(device, mode, momentum, write):
     torch.manual_seed(0)
-    n, c, length = 11, 136, 5  # BLOCK_N = 8 at C = 136: two sample tiles, the second partial; two channel programs
-    assert F.stat_blocks(c) == (8, 128)
+    n, c, length = 11, 136, 5  # BLOCK_N = 4 at C = 136: three sample tiles, the last partial; two channel programs
+    assert F.stat_blocks(c) == (4, 128)
     x = torch.randn(n, c, length, dtype=torch.float64) * 2 + 5
     stat_mean, stat_var = torch.randn(c, dtype=torch.float64), torch.rand(c, dtype=torch.float64) + 0.5
     base = torch.stack([torch.randn(c, dtype=torch.float64), torch.rand(c, dtype=torch.float64) + 0.5])
@@ -58,7 +58,7 @@ def _partials(x, chunk):
 
 
 LAYERS = {  # C = 128 at N = 9: the map kernels take several sample blocks (BCN 4, Unitization 8), the first
-    # stage two sample tiles (8)
+    # stage three sample tiles (4)
     'bcn-estimate': (lambda: BatchChannelNorm2d(128, 16, mode='estimate'), STATS_ESTIMATE),
     'bcn-batch': (lambda: BatchChannelNorm2d(128, 16, mode='batch'), STATS_BATCH),
     'bcn-eval': (lambda: BatchChannelNorm2d(128, 16, mode='batch'), STATS_FIXED),
@@ -75,7 +75,7 @@ def test_first_stage_folded_into_the_map(device, name, write):
     statistics over all samples and writes m, v of its own samples; one program per channel writes moved,
     upd and base) against the ATen first stage followed by the layer's torch map, float64."""
     from normdense.kernels import bcn, unitization
-    assert bcn._blocks(9, 128, 16)[2] == 4 and unitization._blocks(128)[0] == 8 and F.stat_blocks(128)[0] == 8
+    assert bcn._blocks(9, 128, 16)[2] == 4 and unitization._blocks(128)[0] == 8 and F.stat_blocks(128)[0] == 4
     make, mode = LAYERS[name]
     torch.manual_seed(1)
     layer = make().double()
