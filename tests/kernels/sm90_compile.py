@@ -41,6 +41,23 @@ SIZES = {'N', 'C', 'G', 'L', 'ROWS', 'CHUNK', 'SPLIT', 'SIZE', 'PER', 'per', 'S'
          'fN', 'fC', 'fL', 'fCHUNK', 'fSPLIT'}  # the f*: a map kernel's folded first stage
 
 
+_TYPES = {'torch.float32': 'fp32', 'torch.float64': 'fp64', 'torch.float16': 'fp16', 'torch.bfloat16': 'bf16',
+          'torch.int64': 'i64', 'torch.int32': 'i32', 'torch.bool': 'i1'}
+
+
+def _sig(value):
+    """Triton's signature type of a launch argument (for the probes that build a signature by hand)."""
+    if hasattr(value, 'data_ptr') and hasattr(value, 'dtype'):  # a tensor (this module imports no torch)
+        return '*' + _TYPES[str(value.dtype)]
+    if isinstance(value, bool):
+        return 'i1'
+    if isinstance(value, int):
+        return 'i64' if abs(value) >= 2 ** 31 else 'i32'
+    if isinstance(value, float):
+        return 'fp32'
+    raise TypeError(f'unexpected kernel argument {value!r}')
+
+
 def specialized_sizes(fn):
     """The size arguments of a JITFunction that a launcher would specialize."""
     return sorted(p.name for p in fn.params if p.name in SIZES and not p.do_not_specialize)
