@@ -170,7 +170,8 @@ def _vjp_out(dm_ptr, dv_ptr, off, mask, mc, d, ga, gb, v, a, r, s, dvg, mean_gd)
 @triton.jit(do_not_specialize=['N', 'C', 'G', 'PER', 'GSPLIT', 'GSTRIDE'])
 def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_ptr, gb_ptr,
                     dm_ptr, dv_ptr, dmean_ptr, dvar_ptr, dbw_ptr, dbb_ptr, dw_ptr, db_ptr,
-                    N, C, G, PER, GSPLIT, GSTRIDE, EPS: tl.constexpr, GROUP_AFFINE: tl.constexpr, WANTS_STATS: tl.constexpr,
+                    N, C, G, PER, GSPLIT, GSTRIDE, EPS: tl.constexpr, GROUP_AFFINE: tl.constexpr,
+                    WANTS_STATS: tl.constexpr,
                     CHUNKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
     pid_g = tl.program_id(0)
     dt = m_ptr.dtype.element_ty

@@ -173,10 +173,12 @@ def _map_store(a_ptr, bb_ptr, k_ptr, l_ptr, off, mask, d, r, w, b, k, l_):
 @triton.jit(do_not_specialize=['N', 'C', 'G', 'per', 'S'] + FOLD_SIZES)
 def _coeff_map_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr, a_ptr, bb_ptr, k_ptr, l_ptr,
                       N, C, G, per, S, f_part, f_m, f_v, f_mean, f_var, f_smean, f_svar, f_base, f_moved, f_upd, f_nbt,
-                      fN, fC, fL, fCHUNK, fSPLIT, f_rate_hi, f_rate_lo, f_mom_hi, f_mom_lo, fWRITE, EPS: tl.constexpr, PROXY_EPS: tl.constexpr, ACT: tl.constexpr,
+                      fN, fC, fL, fCHUNK, fSPLIT, f_rate_hi, f_rate_lo, f_mom_hi, f_mom_lo, fWRITE, EPS: tl.constexpr,
+                      PROXY_EPS: tl.constexpr, ACT: tl.constexpr,
                       P0: tl.constexpr, P1: tl.constexpr, AFFINE: tl.constexpr, SCALING: tl.constexpr,
                       CHUNKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
-                      BLOCK_S: tl.constexpr, FOLD: tl.constexpr, FMODE: tl.constexpr, FCUM: tl.constexpr, FBLOCK_N: tl.constexpr,
+                      BLOCK_S: tl.constexpr, FOLD: tl.constexpr, FMODE: tl.constexpr, FCUM: tl.constexpr,
+                      FBLOCK_N: tl.constexpr,
                       FBLOCK_C: tl.constexpr):
     dt = m_ptr.dtype.element_ty
     pid_g = tl.program_id(0)
@@ -328,7 +330,8 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups, eps, act
     pb, pg = (proxy_beta, proxy_gamma) if proxy_affine else (weight, weight)  # not read without proxy_affine
     fargs, fconst = fold_args(first, m)
     _coeff_map_kernel[grid](m, v, weight, bias, pb, pg, quantiles, a, b, k, l_, n, c, num_groups, per,
-                            quantiles.numel(), *fargs, **fconst, EPS=float(eps), PROXY_EPS=float(proxy_eps), AFFINE=bool(proxy_affine),
+                            quantiles.numel(), *fargs, **fconst, EPS=float(eps), PROXY_EPS=float(proxy_eps),
+                            AFFINE=bool(proxy_affine),
                             SCALING=bool(proxy_scaling), **blocks)
     return (a, b, k, l_), (m, v, params, quantiles)
 
@@ -350,7 +353,8 @@ def coeff_vjp(res, grads, wants_stats, *, num_groups, eps, act, act_kwargs, prox
     pb, pg = (proxy_beta, proxy_gamma) if proxy_affine else (weight, weight)
     strides = [s for g in (ga, gb, gk, gl) for s in g.stride()[-2:]]  # (n, c) strides; the chunks' is shared
     _coeff_vjp_kernel[grid](m, v, weight, bias, pb, pg, quantiles, ga, gb, gk, gl, *strides, dm, dv, dw, db, dpb,
-                            dpg, n, c, num_groups, per, quantiles.numel(), *split_args(ga), EPS=float(eps), PROXY_EPS=float(proxy_eps), AFFINE=bool(proxy_affine),
+                            dpg, n, c, num_groups, per, quantiles.numel(), *split_args(ga), EPS=float(eps),
+                            PROXY_EPS=float(proxy_eps), AFFINE=bool(proxy_affine),
                             SCALING=bool(proxy_scaling), **blocks)
     dparams = (dw, db, dpb, dpg) if proxy_affine else (dw, db, None, None)
     return dm, dv, None, None, dparams

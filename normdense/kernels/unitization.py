@@ -59,9 +59,11 @@ def _channels(rows, rmask, cols, C, mean_ptr, var_ptr, f, eps, dt):
 
 @triton.jit(do_not_specialize=['N', 'C'] + FOLD_SIZES)
 def _coeff_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, b_ptr, a_ptr, bo_ptr, p_ptr, N, C,
-                      eps_hi, eps_lo, k_hi, k_lo, f_hi, f_lo, f_part, f_m, f_v, f_mean, f_var, f_smean, f_svar, f_base, f_moved, f_upd, f_nbt,
+                      eps_hi, eps_lo, k_hi, k_lo, f_hi, f_lo, f_part, f_m, f_v, f_mean, f_var, f_smean, f_svar,
+                      f_base, f_moved, f_upd, f_nbt,
                       fN, fC, fL, fCHUNK, fSPLIT, f_rate_hi, f_rate_lo, f_mom_hi, f_mom_lo, fWRITE,
-                      AFFINE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, FOLD: tl.constexpr, FMODE: tl.constexpr, FCUM: tl.constexpr, FBLOCK_N: tl.constexpr,
+                      AFFINE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, FOLD: tl.constexpr,
+                      FMODE: tl.constexpr, FCUM: tl.constexpr, FBLOCK_N: tl.constexpr,
                       FBLOCK_C: tl.constexpr):
     dt = m_ptr.dtype.element_ty
     eps, k, f = from_hi_lo(eps_hi, eps_lo, dt), from_hi_lo(k_hi, k_lo, dt), from_hi_lo(f_hi, f_lo, dt)
