@@ -18,6 +18,8 @@ channels is walked in chunks of CHUNK channels (passes for the group sums, then 
 tile outgrows the registers; then the VJP runs one program per (group, chunk), each recomputing the group
 sums over all chunks (channel-sized work: no second launch). The VJP recomputes d, r, s from its inputs.
 In float64, 1 / sqrt is correctly rounded (``tl.rsqrt`` is ``rsqrt.approx.f64`` on sm_90).
+Given the engine's planned first stage (``first=``), each map program runs it for its own groups and samples
+first (``first_stage.fold``), so moments merge, statistics and map take one launch.
 """
 import torch
 import triton

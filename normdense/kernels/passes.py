@@ -1,25 +1,26 @@
 """The passes of the StatNorm engine over the activation, in Triton: per-(n, c) moments, the first-stage
 statistics, y = A (x - m) + B (or K act(A (x - m) + B) + L'), the backward's per-(n, c) sums and dx. The
 kernels over the activation live in ``passes_fwd`` / ``passes_bwd``, where they read and write it with
-16-byte vectors (``passes_tiles``); this module holds their launchers and the statistics kernel.
+16-byte vectors (``passes_tiles``); this module holds their launchers (the first stage is ``first_stage``).
 
 x3 (N, C, L) comes contiguous (NCL: R = N * C rows of L positions) or as a channels_last map viewed as
 (N, C, HW) (strides (C L, 1, C): read as it is, no copy; y and dx are written with x3's strides). A pass runs
 on a grid of (row groups, splits): each program takes its rows (NCL: one; CL: a block of channels of one
 sample) and a chunk of CHUNK consecutive positions (a runtime integer, a multiple of the tile), loops over it
 in tiles and loads x, dy in their own dtype, accumulating in float32 (float64 for float64 inputs).
-Reductions write one partial per (split, row); the next kernel merges them in a fixed order (deterministic,
-no atomics). The tiles depend on the dtype (and CL's on C), SPLIT is a grid size and the sizes are
+Reductions write one partial per (split, row); the kernel that reads them adds them in a fixed order
+(deterministic, no atomics). The tiles depend on the dtype (and CL's on C), SPLIT is a grid size and the sizes are
 ``do_not_specialize`` (no variant for a size divisible by 16 or equal to 1): a new image size or batch
 size never recompiles a kernel. The constexpr variants: layout (NCL / CL), vector width V (16 bytes, or 1
 when the flat size (NCL) or C (CL) is not a multiple of it) and SMALL (NCL, L < V).
 
-Launches per training step of a layer: forward moments, stats, the layer's coefficients, apply (4);
-backward sums, [merge of the sums when split], the layer's coefficient VJP, dx (3-4): at most 8.
+Launches per training step of a layer: forward moments, the layer's coefficients (the first stage folded
+in), apply (3); backward sums, the layer's coefficient VJP (adding the chunks' sums), dx (3): 6. The stats
+and merge kernels run only where torch code reads m, v or the sums in between (``sync_stats``).
 
 Moments per chunk: each tile's mean and centred sum of squares in registers (two passes over the tile,
 one read of memory), merged into the chunk's with Chan et al.'s update; chunks merged likewise by the
-stats kernel. No E[x^2] - E[x]^2 anywhere.
+first stage. No E[x^2] - E[x]^2 anywhere.
 """
 import torch
 import triton
