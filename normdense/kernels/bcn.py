@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .blocks import spread
 from .first_stage import FOLD_SIZES, fold, fold_args, split_args, split_sum
 
 _CHANNELS = 128  # channels (whole groups) of a tile when the groups are small
@@ -268,9 +269,10 @@ def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_p
         tl.store(db_ptr + ch, tl.sum(acc_db, axis=0, keep_dims=True), mask=cmask)
 
 
-def _blocks(n: int, c: int, num_groups: int):
+def _blocks(n: int, c: int, num_groups: int, vjp: bool = False):
     """(per, CHUNKED, BLOCK_N, BLOCK_G, BLOCK_P, num_warps) from a fixed menu keyed on the sizes (powers of 2:
-    a few compiled variants, none per batch size)."""
+    a few compiled variants, none per batch size); ``vjp``: the VJP's, spread over more programs when the
+    samples take several iterations (``blocks.spread``)."""
     if num_groups <= 0 or c % num_groups:
         raise ValueError(f'BCN kernels: num_groups={num_groups} must be positive and divide C={c}')
     per = c // num_groups
@@ -283,6 +285,8 @@ def _blocks(n: int, c: int, num_groups: int):
     block_n = min(triton.next_power_of_2(n), max(1, _TILE // (block_g * block_p)))
     if chunked:  # N = 1 too: ptxas spilled a few bytes of the chunked VJP at [1, 1, 256] (float32, 4 warps)
         block_n = max(2, block_n)
+    elif vjp:
+        block_n, block_g = spread(n, num_groups, block_n, block_g, block_p, _TILE)
     num_warps = max(1, min(8, block_n * block_g * block_p // 64))
     return per, chunked, block_n, block_g, block_p, num_warps
 
@@ -314,7 +318,7 @@ def coeff_vjp(res, grads, wants_stats, *, num_groups: int, eps: float, group_aff
     m, v, mean, var, bw, bb, w, b = res
     ga, gb = (t if t.dim() == 3 else t.contiguous() for t in grads)
     n, c = m.shape
-    per, chunked, block_n, block_g, block_p, warps = _blocks(n, c, num_groups)
+    per, chunked, block_n, block_g, block_p, warps = _blocks(n, c, num_groups, vjp=True)
     dm, dv = torch.empty_like(m), torch.empty_like(m)
     # the parameter gradients in the parameters' dtypes (written so by the kernel: no cast launch)
     dbw, dbb, dw, db = (torch.empty_like(p) for p in (bw, bb, w, b))

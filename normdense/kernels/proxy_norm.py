@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .activations import act_args, act_forward, act_grad
+from .blocks import spread
 from .first_stage import FOLD_SIZES, fold, fold_args, split_args, split_sum
 
 __all__ = ['coeff_map', 'coeff_vjp']
@@ -36,19 +37,22 @@ _PROXY_TILE = 1024  # elements of a [groups, channels, samples] tile of the prox
 CHUNK = 256  # a group of more channels is walked in chunks of this many (module-level: the tests lower it)
 
 
-def _blocks(n: int, groups: int, per: int, samples: int):
+def _blocks(n: int, groups: int, per: int, samples: int, vjp: bool = False):
     """(CHUNKED, BLOCK_N, BLOCK_G, BLOCK_P, BLOCK_S, num_warps): a fixed menu keyed on the sizes (powers of 2:
-    a few compiled variants, none per batch size)."""
+    a few compiled variants, none per batch size); ``vjp``: the VJP's, spread over more programs when the
+    samples take several iterations (``blocks.spread``)."""
     bp = triton.next_power_of_2(per)
     chunked = bp > CHUNK
     if chunked:
         bp, bg = CHUNK, 1
     else:
         bg = max(1, min(triton.next_power_of_2(groups), _CHANNELS // bp))
-    bs = max(1, min(triton.next_power_of_2(samples), _PROXY_TILE // (bg * bp)))
     bn = min(triton.next_power_of_2(n), max(1, _TILE // (bg * bp)))
     if chunked:  # as BCN's: N = 1 too (ptxas spilled a few bytes of BCN's chunked VJP at [1, 1, 256])
         bn = max(2, bn)
+    elif vjp:
+        bn, bg = spread(n, groups, bn, bg, bp, _TILE)
+    bs = max(1, min(triton.next_power_of_2(samples), _PROXY_TILE // (bg * bp)))
     return chunked, bn, bg, bp, bs, 8
 
 
@@ -309,12 +313,15 @@ def _config(m, num_groups, num_samples, act, act_kwargs):
     if c % num_groups:
         raise ValueError(f'GN+PN kernels: num_groups={num_groups} does not divide C={c}')
     per = c // num_groups
-    chunked, bn, bg, bp, bs, warps = _blocks(n, num_groups, per, num_samples)
     act_id, p0, p1 = act_args(act, act_kwargs)
-    groups = triton.cdiv(num_groups, bg)
-    grids = (groups, triton.cdiv(n, bn)), (groups, triton.cdiv(per, bp) if chunked else 1)  # map, VJP
-    return n, c, per, grids, dict(ACT=act_id, P0=p0, P1=p1, CHUNKED=chunked, BLOCK_N=bn, BLOCK_G=bg, BLOCK_P=bp,
-                                  BLOCK_S=bs, num_warps=warps)
+    grids, blocks = [], []
+    for vjp in (False, True):  # the map's, then the VJP's (spread over more programs for many samples)
+        chunked, bn, bg, bp, bs, warps = _blocks(n, num_groups, per, num_samples, vjp)
+        groups = triton.cdiv(num_groups, bg)
+        grids.append((groups, triton.cdiv(per, bp) if chunked else 1) if vjp else (groups, triton.cdiv(n, bn)))
+        blocks.append(dict(ACT=act_id, P0=p0, P1=p1, CHUNKED=chunked, BLOCK_N=bn, BLOCK_G=bg, BLOCK_P=bp,
+                           BLOCK_S=bs, num_warps=warps))
+    return n, c, per, grids, blocks
 
 
 def coeff_map(m, v, mean, var, params, positions, count, *, num_groups, eps, act, act_kwargs, proxy_eps,
@@ -325,7 +332,7 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups, eps, act
     moments merge (``first_stage.FirstStage``, whose outputs m, v are): run in this launch."""
     weight, bias, proxy_beta, proxy_gamma = params
     m, v = m.contiguous(), v.contiguous()
-    n, c, per, (grid, _), blocks = _config(m, num_groups, quantiles.numel(), act, act_kwargs)
+    n, c, per, (grid, _), (blocks, _) = _config(m, num_groups, quantiles.numel(), act, act_kwargs)
     a, b, k, l_ = (torch.empty_like(m) for _ in range(4))
     pb, pg = (proxy_beta, proxy_gamma) if proxy_affine else (weight, weight)  # not read without proxy_affine
     fargs, fconst = fold_args(first, m)
@@ -345,7 +352,7 @@ def coeff_vjp(res, grads, wants_stats, *, num_groups, eps, act, act_kwargs, prox
     m, v, params, quantiles = res
     weight, bias, proxy_beta, proxy_gamma = params
     ga, gb, gk, gl = grads
-    n, c, per, (_, grid), blocks = _config(m, num_groups, quantiles.numel(), act, act_kwargs)
+    n, c, per, (_, grid), (_, blocks) = _config(m, num_groups, quantiles.numel(), act, act_kwargs)
     dm, dv = torch.empty_like(m), torch.empty_like(m)
     # the parameter gradients in the parameters' dtypes (written so by the kernel: no cast launch)
     dw, db = torch.empty_like(weight), torch.empty_like(bias)

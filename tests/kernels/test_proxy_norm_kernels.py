@@ -106,10 +106,13 @@ def test_several_programs_and_sample_blocks(act, scaling, affine, shape, dtype, 
 
 
 def test_large_batch_in_sample_blocks(device):
-    """N = 70 in sample blocks of 8 (the last one partial): 9 map programs per group block, 9 iterations of
-    the VJP's sums over N; 2 group blocks of 16 groups of 4 (the second one partial)."""
+    """N = 70 in sample blocks of 8 (the last one partial): 9 map programs per group block; 2 group blocks of
+    16 groups of 4 (the second one partial). The VJP spread over the groups: 20 programs of one group (not 2),
+    the samples in one tile of 128."""
     chunked, bn, bg, bp, bs, _ = K._blocks(70, 20, 4, 13)
     assert (chunked, bn, bg, bp) == (False, 8, 16, 4) and 70 % bn
+    chunked, bn, bg, bp, bs, _ = K._blocks(70, 20, 4, 13, vjp=True)
+    assert (chunked, bn, bg, bp) == (False, 128, 1, 4)
     _check('gelu', True, True, (70, 80, 20, 13), torch.float64, device)
 
 
@@ -170,4 +173,4 @@ def test_kernels_import_nothing_above_them():
         tree = ast.parse(open(module.__file__).read())
         names = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
         names |= {'.' * node.level + (node.module or '') for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-        assert names <= {'torch', 'triton', 'triton.language', '.activations', '.first_stage'}, names
+        assert names <= {'torch', 'triton', 'triton.language', '.activations', '.blocks', '.first_stage'}, names
