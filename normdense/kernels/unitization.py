@@ -233,5 +233,6 @@ def coeff_vjp(res, grads, wants_stats, *, affine):
         m, v, mean, var, alpha, w if affine else alpha, p, ga, gb, dm, de,
         dmean if wants_stats else dalpha, dvar if wants_stats else dalpha, dalpha,
         dw if affine else dalpha, db if affine else dalpha, N, C, *split_args(ga), *split,
-        AFFINE=affine, WANTS_STATS=wants_stats, BLOCK_N=block_n, BLOCK_C=block_c)
+        AFFINE=affine, WANTS_STATS=wants_stats, BLOCK_N=block_n, BLOCK_C=block_c,
+        num_warps=max(1, min(4, block_n * block_c // 32)))  # tiny tiles (small C): fewer idle threads, fewer spills
     return dm, de, dmean, dvar, (dalpha, dw, db)
