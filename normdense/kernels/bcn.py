@@ -27,20 +27,11 @@ import triton.language as tl
 
 from .blocks import spread
 from .first_stage import FOLD_SIZES, fold, fold_args, split_args, split_sum
+from .scalars import rsqrt
 
 _CHANNELS = 128  # channels (whole groups) of a tile when the groups are small
 _TILE = 512  # elements of a [BLOCK_N, BLOCK_G, BLOCK_P] tile: no register spills in float64 (ptxas -v)
 CHUNK = 256  # a group of more channels is walked in chunks of this many (module-level: the tests lower it)
-
-
-@triton.jit
-def rsqrt(x):
-    """1 / sqrt(x): sqrt.rn.f64 and div.rn.f64 in float64 (exact as torch's), the fast tl.rsqrt in float32."""
-    if x.dtype == tl.float64:
-        out = 1.0 / tl.sqrt(x)
-    else:
-        out = tl.rsqrt(x)
-    return out
 
 
 @triton.jit

@@ -28,6 +28,7 @@ import triton.language as tl
 from .activations import act_args, act_forward, act_grad
 from .blocks import spread
 from .first_stage import FOLD_SIZES, fold, fold_args, split_args, split_sum
+from .scalars import rsqrt
 
 __all__ = ['coeff_map', 'coeff_vjp']
 
@@ -57,17 +58,6 @@ def _blocks(n: int, groups: int, per: int, samples: int, vjp: bool = False):
 
 
 @triton.jit
-def _rsqrt(x):
-    """1 / sqrt(x): sqrt.rn.f64 and div.rn.f64 in float64 (not tl.rsqrt: rsqrt.approx.f64 on sm_90), the fast
-    tl.rsqrt in float32 (within the float32 tolerance)."""
-    if x.dtype == tl.float64:
-        out = 1.0 / tl.sqrt(x)
-    else:
-        out = tl.rsqrt(x)
-    return out
-
-
-@triton.jit
 def _channels(pid_g, p0, G, per, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
     """[BLOCK_G, BLOCK_P] channel tile: groups of program pid_g, channels p0 .. p0 + BLOCK_P of each."""
     g = pid_g * BLOCK_G + tl.arange(0, BLOCK_G)[:, None]
@@ -81,7 +71,7 @@ def _gn_stage(m_ptr, v_ptr, off, mask, inv, EPS: tl.constexpr):
     mn = tl.load(m_ptr + off, mask=mask, other=0.0)
     vn = tl.load(v_ptr + off, mask=mask, other=0.0)
     d = tl.where(mask, mn - (tl.sum(mn, axis=2) * inv)[:, :, None], 0.0)
-    r = _rsqrt(tl.sum(vn + d * d, axis=2) * inv + EPS)
+    r = rsqrt(tl.sum(vn + d * d, axis=2) * inv + EPS)
     return d, r[:, :, None]
 
 
@@ -102,7 +92,7 @@ def _gn_chunked(m_ptr, v_ptr, pid_g, rows, rmask, C, G, per, inv, EPS: tl.conste
         mask = rmask & cmask[None]
         d = tl.where(mask, tl.load(m_ptr + rows * C + ch[None], mask=mask, other=0.0) - mu, 0.0)
         sq += tl.sum(tl.load(v_ptr + rows * C + ch[None], mask=mask, other=0.0) + d * d, axis=2)
-    return mu, _rsqrt(sq * inv + EPS)[:, :, None]
+    return mu, rsqrt(sq * inv + EPS)[:, :, None]
 
 
 @triton.jit
@@ -157,7 +147,7 @@ def _proxy_kl(w, b, pb, pg, q_ptr, S, PROXY_EPS: tl.constexpr, ACT: tl.constexpr
     """K and L per channel ([BLOCK_G, BLOCK_P])."""
     pmean, pvar = _proxy_moments(w, b, pb, pg, q_ptr, S, ACT, P0, P1, AFFINE, SCALING, BLOCK_S)
     if SCALING:
-        k = _rsqrt(pvar + PROXY_EPS)
+        k = rsqrt(pvar + PROXY_EPS)
         l_ = -pmean * k
     else:
         k = tl.zeros_like(w) + 1.0
@@ -282,7 +272,7 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
     # proxy moments: K = (var + eps_pn)^(-1/2), L = -mean K (or L = -mean), summed over N above
     pmean, pvar = _proxy_moments(w, b, pb, pg, q_ptr, S, ACT, P0, P1, AFFINE, SCALING, BLOCK_S)
     if SCALING:
-        k = _rsqrt(pvar + PROXY_EPS)
+        k = rsqrt(pvar + PROXY_EPS)
         dmean = -gl_sum * k
         dvar = (gk_sum - gl_sum * pmean) * (k * k * k * -0.5)
     else:

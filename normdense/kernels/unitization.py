@@ -26,18 +26,7 @@ import triton
 import triton.language as tl
 
 from .first_stage import FOLD_SIZES, fold, fold_args, split_args, split_sum
-from .scalars import from_hi_lo, hi_lo
-
-
-@triton.jit
-def _rsqrt(x):
-    """1 / sqrt(x): sqrt.rn.f64 and div.rn.f64 in float64 (exact as torch's; tl.rsqrt is rsqrt.approx.f64 on
-    sm_90), the fast tl.rsqrt in float32 (within the float32 tolerance)."""
-    if x.dtype == tl.float64:
-        out = 1.0 / tl.sqrt(x)
-    else:
-        out = tl.rsqrt(x)
-    return out
+from .scalars import from_hi_lo, hi_lo, rsqrt
 
 
 def _blocks(channels: int, dtype=torch.float32):
@@ -83,13 +72,13 @@ def _coeff_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, b_ptr, 
         mc = tl.load(m_ptr + idx, mask=mask, other=0.0) - mean[None, :]
         e = tl.load(v_ptr + idx, mask=mask, other=0.0) + mc * mc
         s += tl.sum(tl.where(mask, e * rs2[None, :], 0.0), axis=1)
-    p = _rsqrt(s * k + eps)  # Eq. 16
+    p = rsqrt(s * k + eps)  # Eq. 16
     tl.store(p_ptr + rows, p, mask=rmask)
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + cols0
         cmask, mask, idx, mean, den = _channels(rows, rmask, cols, C, mean_ptr, var_ptr, f, eps, dt)
         alpha = tl.load(alpha_ptr + cols, mask=cmask, other=0.0).to(dt)
-        rs = _rsqrt(den)
+        rs = rsqrt(den)
         mc = tl.load(m_ptr + idx, mask=mask, other=0.0) - mean[None, :]
         scale = p[:, None] * alpha[None, :] + (1.0 - alpha)[None, :]
         if AFFINE:
@@ -118,7 +107,7 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, p_ptr, 
     cols = tl.program_id(0) * BLOCK_C + cols0
     cmask = cols < C
     mean = tl.load(mean_ptr + cols, mask=cmask, other=0.0).to(dt)
-    rs = _rsqrt(tl.load(var_ptr + cols, mask=cmask, other=1.0).to(dt) * f + eps)
+    rs = rsqrt(tl.load(var_ptr + cols, mask=cmask, other=1.0).to(dt) * f + eps)
     rs2 = rs * rs
     alpha = tl.load(alpha_ptr + cols, mask=cmask, other=0.0).to(dt)
     if AFFINE:
@@ -140,7 +129,7 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, p_ptr, 
         for c0 in range(0, C, BLOCK_C):
             cj = c0 + cols0
             cjm, mask, idx, mean_j, den = _channels(rows, rmask, cj, C, mean_ptr, var_ptr, f, eps, dt)
-            rs_j = _rsqrt(den)
+            rs_j = rsqrt(den)
             coef = tl.load(alpha_ptr + cj, mask=cjm, other=0.0).to(dt) * rs_j
             if AFFINE:
                 coef = coef * tl.load(w_ptr + cj, mask=cjm, other=0.0).to(dt)
