@@ -21,7 +21,6 @@ def _act(act):
 
 class TritonBackend:
     name = 'triton'  # x3 in one of the layouts of layout(), dy in x3's
-    FOLD_STATS = True  # the layers' map kernels run the first stage (first_stage.channel_stats) themselves
 
     @staticmethod
     def prepare(coeffs, v):
@@ -54,12 +53,9 @@ class TritonBackend:
     def plan_stats(part, shape, mode=STATS_NONE, stat_mean=None, stat_var=None, base=None, rate=0.0, momentum=0.1,
                    write=False, nbt=None):
         """(:meth:`stats`'s outputs, the planned first stage): the outputs are allocated, and filled by the
-        layer's coefficient map kernel, which runs the first stage in its own launch (``first=``); where
-        FOLD_STATS is off, the stats kernel runs now and the plan is None."""
+        layer's coefficient map kernel, which runs the first stage in its own launch (``first=``)."""
         partials, split, chunk = part
         plan = FirstStage(partials, split, chunk, shape, mode, stat_mean, stat_var, base, rate, momentum, write, nbt)
-        if not TritonBackend.FOLD_STATS:
-            return plan.launch(), None
         return plan.outputs, plan
 
     @staticmethod
