@@ -28,6 +28,7 @@ import triton.language as tl
 from .blocks import spread
 from .first_stage import FOLD_SIZES, fold, fold_args, split_args, split_sum
 from .scalars import rsqrt
+from .second_stage import BlockSums, sample_blocks
 
 _CHANNELS = 128  # channels (whole groups) of a tile when the groups are small
 _TILE = 512  # elements of a [BLOCK_N, BLOCK_G, BLOCK_P] tile: no register spills in float64 (ptxas -v)
@@ -161,10 +162,10 @@ def _vjp_out(dm_ptr, dv_ptr, off, mask, mc, d, ga, gb, v, a, r, s, dvg, mean_gd)
     return ga * s + dum * mc + 2.0 * (dvg * v) * a, dum, dm
 
 
-@triton.jit(do_not_specialize=['N', 'C', 'G', 'PER', 'GSPLIT', 'GSTRIDE'])
+@triton.jit(do_not_specialize=['N', 'C', 'G', 'PER', 'GSPLIT', 'GSTRIDE', 'N_PER', 'PSTRIDE'])
 def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_ptr, gb_ptr,
                     dm_ptr, dv_ptr, dmean_ptr, dvar_ptr, dbw_ptr, dbb_ptr, dw_ptr, db_ptr,
-                    N, C, G, PER, GSPLIT, GSTRIDE, EPS: tl.constexpr, GROUP_AFFINE: tl.constexpr,
+                    N, C, G, PER, GSPLIT, GSTRIDE, N_PER, PSTRIDE, EPS: tl.constexpr, GROUP_AFFINE: tl.constexpr,
                     WANTS_STATS: tl.constexpr,
                     CHUNKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
     pid_g = tl.program_id(0)
@@ -179,9 +180,13 @@ def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_p
     acc_dw, acc_db, acc_da, acc_dbb, acc_dm = zero, zero, zero, zero, zero  # per-channel sums over N
     acc_gw = tl.zeros([BLOCK_N, BLOCK_G, 1], dtype=dt)  # CHUNKED, GROUP_AFFINE: per-group sums over N
     acc_gb = tl.zeros([BLOCK_N, BLOCK_G, 1], dtype=dt)
-    for n0 in range(0, N, BLOCK_N):
+    # this program's samples: block program_id(2) of N_PER (its sums: row program_id(2) of the outputs, PSTRIDE
+    # apart; second_stage)
+    n_lo = tl.program_id(2) * N_PER
+    n_hi = tl.minimum(n_lo + N_PER, N)
+    for n0 in range(n_lo, n_hi, BLOCK_N):
         rows = n0 + tl.arange(0, BLOCK_N)[:, None, None]
-        rmask = rows < N
+        rmask = rows < n_hi
         mask = rmask & cmask
         off = rows * C + ch
         v = tl.load(v_ptr + off, mask=mask, other=0.0)
@@ -241,6 +246,9 @@ def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_p
         if WANTS_STATS:
             acc_dm += dm
     acc_da = tl.sum(acc_da, axis=0, keep_dims=True)
+    out = tl.program_id(2) * PSTRIDE  # this sample block's row of partial sums (0: the final values)
+    ch = ch + out
+    grp = grp + out
     tl.store(dbw_ptr + ch, acc_da * rs, mask=cmask)
     tl.store(dbb_ptr + ch, tl.sum(acc_dbb, axis=0, keep_dims=True), mask=cmask)
     if WANTS_STATS:  # batch statistics: the engine chains dmean, dvar into the moments
@@ -301,23 +309,25 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups: int, eps
     return (a_out, b_out), (m, v, mean, var, bw, bb, w, b)
 
 
-def coeff_vjp(res, grads, wants_stats, *, num_groups: int, eps: float, group_affine: bool):
+def coeff_vjp(res, grads, wants_stats, *, num_groups: int, eps: float, group_affine: bool, defer: bool = False):
     """Triton ``BatchChannelNorm2d.coeff_vjp``, one launch: (dm, dv, dmean, dvar, (d batch_weight, d batch_bias,
     d weight, d bias)) for the gradients (gA, gB) of (A, B), each (N, C) or its (SPLIT, N, C) chunk partials
     (added in the kernel); dm, dv, dmean, dvar in m's dtype (dmean, dvar None unless ``wants_stats``: batch
-    statistics), the parameter gradients in the parameters' dtypes."""
+    statistics), the parameter gradients in the parameters' dtypes. Many samples run on sample blocks too
+    (``second_stage``): ``defer`` returns their partials, dmean, dvar (SB, C) and a ``BlockSums`` in place of
+    the parameter gradients, for dx to sum; else they are summed here."""
     m, v, mean, var, bw, bb, w, b = res
     ga, gb = (t if t.dim() == 3 else t.contiguous() for t in grads)
     n, c = m.shape
     per, chunked, block_n, block_g, block_p, warps = _blocks(n, c, num_groups, vjp=True)
     dm, dv = torch.empty_like(m), torch.empty_like(m)
-    # the parameter gradients in the parameters' dtypes (written so by the kernel: no cast launch)
-    dbw, dbb, dw, db = (torch.empty_like(p) for p in (bw, bb, w, b))
-    dmean, dvar = (m.new_empty(c), m.new_empty(c)) if wants_stats else (None, None)
     grid = (triton.cdiv(num_groups, block_g), triton.cdiv(per, block_p) if chunked else 1)
-    _bcn_vjp_kernel[grid](m, v, mean, var, bw, bb, w, ga, gb, dm, dv,
-                          dbw if dmean is None else dmean, dbw if dvar is None else dvar,  # unused if not wanted
-                          dbw, dbb, dw, db, n, c, num_groups, per, *split_args(ga), EPS=float(eps),
-                          GROUP_AFFINE=bool(group_affine), WANTS_STATS=bool(wants_stats), CHUNKED=chunked,
-                          BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_P=block_p, num_warps=warps)
-    return dm, dv, dmean, dvar, (dbw, dbb, dw, db)
+    blocks, n_per = sample_blocks(n, block_n, grid[0] * grid[1])
+    out = BlockSums(blocks, m, (bw, bb, w, b), wants_stats)
+    dbw, dbb, dw, db, dmean, dvar = out.slots
+    _bcn_vjp_kernel[grid + (blocks, )](m, v, mean, var, bw, bb, w, ga, gb, dm, dv, dmean, dvar, dbw, dbb, dw, db,
+                                       n, c, num_groups, per, *split_args(ga), n_per, out.stride, EPS=float(eps),
+                                       GROUP_AFFINE=bool(group_affine), WANTS_STATS=bool(wants_stats),
+                                       CHUNKED=chunked, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_P=block_p,
+                                       num_warps=warps)
+    return (dm, dv) + out.result(defer)

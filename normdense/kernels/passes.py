@@ -169,11 +169,12 @@ def sums(x3, dy, m, v, coeffs, act=None, merged=True):
     return [t.view(n, c) for t in out.unbind(0)]
 
 
-def dx(x3, dy, m, v, coeffs, dm, dv, gsum, act=None, batch=None):
+def dx(x3, dy, m, v, coeffs, dm, dv, gsum, act=None, batch=None, finish=None):
     """dx (x3's shape, dtype and layout) from the coefficients' VJP (dm, dv) and sum_l g (``gsum``: (N, C), or
     the (SPLIT, N, C) partials of ``sums(merged=False)``, added in the kernel); ``batch``
-    = (mean, dmean, dvar, 1 / N) adds the VJP of the (unsynchronized) batch statistics. dy as for
-    :func:`sums`."""
+    = (mean, dmean, dvar, 1 / N) adds the VJP of the (unsynchronized) batch statistics, dmean and dvar (C,) or
+    the (SB, C) partials of the VJP's sample blocks (added in the kernel). ``finish``: the VJP's
+    ``second_stage.BlockSums`` whose partial parameter gradients this launch sums. dy as for :func:`sums`."""
     x3 = as_read(x3)
     dy = like(dy, x3)
     n, c, length = x3.shape
@@ -184,8 +185,15 @@ def dx(x3, dy, m, v, coeffs, dm, dv, gsum, act=None, batch=None):
     k = coeffs[2] if act_id >= 0 else a
     mean, dmean, dvar, scale = batch if batch is not None else (m, m, m, 0.0)
     gsplit, gstride = (gsum.shape[0], gsum.stride(0)) if gsum.dim() == 3 else (1, 0)
-    _dx_kernel[plan['grid']](x3, dy, out, m, v, a, b, k, dm, dv, gsum, mean, dmean, dvar, c, length,
-                             plan['CHUNK'], gsplit, gstride, *hi_lo(scale), *hi_lo(p0), *hi_lo(p1), ACT=act_id,
+    bsplit, bstride = (dmean.shape[0], dmean.stride(0)) if batch is not None and dmean.dim() == 2 else (1, 0)
+    if batch is not None and bsplit > 1 and dvar.stride(0) != bstride:
+        raise ValueError('passes.dx: dmean and dvar partials must share their row stride')
+    src, dst, fin_p, fin_sb, fin_stride = finish.dx_args() if finish is not None else (m, m, 0, 1, 0)
+    _dx_kernel[plan['grid']](x3, dy, out, m, v, a, b, k, dm, dv, gsum, mean, dmean, dvar, src, dst, c, length,
+                             plan['CHUNK'], gsplit, gstride, bsplit, bstride, fin_p, fin_sb, fin_stride,
+                             *hi_lo(scale), *hi_lo(p0), *hi_lo(p1), ACT=act_id,
                              BATCH=batch is not None, BLOCK=plan['BLOCK'], BLOCK_C=plan['BLOCK_C'], V=plan['V'],
                              SMALL=plan['SMALL'], CL=plan['CL'], ACC=acc_dtype(x3.dtype))
+    if finish is not None:
+        finish.done = True  # summed by this launch
     return out

@@ -7,6 +7,8 @@ import triton.language as tl
 from .activations import act_forward, act_grad
 from .passes_tiles import cl_channels, cl_tile, ncl_span, ncl_vectors
 from .scalars import from_hi_lo
+from .first_stage import split_sum
+from .second_stage import FINISH_BLOCK, finish
 
 
 @triton.jit
@@ -113,10 +115,12 @@ def _merge_kernel(part_ptr, out_ptr, SIZE, SPLIT, BLOCK: tl.constexpr):
 
 @triton.jit
 def _dx_coeffs(m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr, dv_ptr, gsum_ptr, mean_ptr, dmean_ptr, dvar_ptr, r,
-               mask, C, Lf, scale, GSPLIT, GSTRIDE, ACT: tl.constexpr, BATCH: tl.constexpr, ACC: tl.constexpr):
+               mask, C, Lf, scale, GSPLIT, GSTRIDE, BSPLIT, BSTRIDE, ACT: tl.constexpr, BATCH: tl.constexpr,
+               ACC: tl.constexpr):
     """(m, A masked, A, c0, c1, B, A K) of row(s) r: dx = A g + c1 t + c0, c0 = (dm - A sum_l g) / L,
     c1 = 2 dv / L (0 where v = 0); BATCH: dm, dv first take the VJP of the batch statistics. sum_l g comes as
-    the sums kernel's GSPLIT partials (GSTRIDE apart), added here in order: no merge launch."""
+    the sums kernel's GSPLIT partials (GSTRIDE apart), added here in order: no merge launch; dmean, dvar as
+    the VJP's BSPLIT sample blocks' partials (BSTRIDE apart), likewise."""
     m = tl.load(m_ptr + r, mask=mask, other=0.0).to(ACC)
     live = tl.load(v_ptr + r, mask=mask, other=0.0) > 0
     a_full = tl.load(a_ptr + r, mask=mask, other=0.0).to(ACC)
@@ -124,13 +128,11 @@ def _dx_coeffs(m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr, dv_ptr, gsum_ptr, mean
     dv = tl.load(dv_ptr + r, mask=mask, other=0.0).to(ACC)
     if BATCH:
         c = r % C
-        dvar = tl.load(dvar_ptr + c, mask=mask, other=0.0).to(ACC)
-        dm = dm + scale * tl.load(dmean_ptr + c, mask=mask, other=0.0).to(ACC) + \
+        dvar = split_sum(dvar_ptr, c, mask, BSPLIT, BSTRIDE, ACC)
+        dm = dm + scale * split_sum(dmean_ptr, c, mask, BSPLIT, BSTRIDE, ACC) + \
             2.0 * scale * (m - tl.load(mean_ptr + c, mask=mask, other=0.0).to(ACC)) * dvar
         dv = dv + scale * dvar
-    gsum = tl.load(gsum_ptr + r, mask=mask, other=0.0).to(ACC)
-    for sp in range(1, GSPLIT):
-        gsum += tl.load(gsum_ptr + sp * GSTRIDE + r, mask=mask, other=0.0).to(ACC)
+    gsum = split_sum(gsum_ptr, r, mask, GSPLIT, GSTRIDE, ACC)
     c0 = (dm - a_full * gsum) / Lf
     c1 = tl.where(live, 2.0 * dv / Lf, 0.0)
     b = m
@@ -148,14 +150,19 @@ def _dx_map(t, g, a, a_full, c0, c1, b, ak, p0, p1, ACT: tl.constexpr):
     return a_full * g + c1 * t + c0
 
 
-@triton.jit(do_not_specialize=['C', 'L', 'CHUNK', 'GSPLIT', 'GSTRIDE'])
+@triton.jit(do_not_specialize=['C', 'L', 'CHUNK', 'GSPLIT', 'GSTRIDE', 'BSPLIT', 'BSTRIDE', 'FIN_P', 'FIN_SB',
+                               'FIN_STRIDE'])
 def _dx_kernel(x_ptr, dy_ptr, dx_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr, dv_ptr, gsum_ptr, mean_ptr,
-               dmean_ptr, dvar_ptr, C, L, CHUNK, GSPLIT, GSTRIDE, sc_h, sc_l, p0h, p0l, p1h, p1l, ACT: tl.constexpr,
+               dmean_ptr, dvar_ptr, fin_src, fin_dst, C, L, CHUNK, GSPLIT, GSTRIDE, BSPLIT, BSTRIDE, FIN_P, FIN_SB,
+               FIN_STRIDE, sc_h, sc_l, p0h, p0l, p1h, p1l, ACT: tl.constexpr,
                BATCH: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, V: tl.constexpr,
                SMALL: tl.constexpr, CL: tl.constexpr, ACC: tl.constexpr):
     """dx = A g + c1 t + c0 (:func:`_dx_coeffs`), g = dy (g = K dy act'(z) with an activation), written in
-    x's dtype and layout; the programs' parts as in :func:`passes_fwd._apply_kernel`."""
+    x's dtype and layout; the programs' parts as in :func:`passes_fwd._apply_kernel`. The programs of split 0
+    also finish the layer VJP's FIN_P sample-block sums (``second_stage.finish``; FIN_P = 0: none)."""
     s = tl.program_id(1)
+    if s == 0:
+        finish(fin_src, fin_dst, FIN_P, FIN_SB, FIN_STRIDE, tl.program_id(0), tl.num_programs(0), FINISH_BLOCK)
     Lf = L.to(ACC)
     scale = from_hi_lo(sc_h, sc_l, ACC)
     p0 = from_hi_lo(p0h, p0l, ACC)
@@ -166,7 +173,7 @@ def _dx_kernel(x_ptr, dy_ptr, dx_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr,
         end = tl.minimum(start + CHUNK, L)
         m, a, a_full, c0, c1, b, ak = _dx_coeffs(m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr, dv_ptr, gsum_ptr,
                                                  mean_ptr, dmean_ptr, dvar_ptr, n * C + ch, cm, C, Lf, scale,
-                                                 GSPLIT, GSTRIDE, ACT, BATCH, ACC)
+                                                 GSPLIT, GSTRIDE, BSPLIT, BSTRIDE, ACT, BATCH, ACC)
         for off in range(start, end, BLOCK):
             offs, mask = cl_tile(n, ch, cm, CV, L, off, end, BLOCK)
             t, g = _t_and_dy(x_ptr, dy_ptr, offs, mask, m[None, :], ACC)
@@ -181,10 +188,11 @@ def _dx_kernel(x_ptr, dy_ptr, dx_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr,
         if not SMALL:
             m0, a0, f0, c00, c10, b0, ak0 = _dx_coeffs(m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr, dv_ptr, gsum_ptr,
                                                        mean_ptr, dmean_ptr, dvar_ptr, row, True, C, Lf, scale,
-                                                       GSPLIT, GSTRIDE, ACT, BATCH, ACC)
+                                                       GSPLIT, GSTRIDE, BSPLIT, BSTRIDE, ACT, BATCH, ACC)
             m1, a1, f1, c01, c11, b1, ak1 = _dx_coeffs(m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr, dv_ptr, gsum_ptr,
                                                        mean_ptr, dmean_ptr, dvar_ptr, tl.minimum(row + 1, last),
-                                                       True, C, Lf, scale, GSPLIT, GSTRIDE, ACT, BATCH, ACC)
+                                                       True, C, Lf, scale, GSPLIT, GSTRIDE, BSPLIT, BSTRIDE, ACT,
+                                                       BATCH, ACC)
         for off in range(cs, ce, BLOCK):
             idx = off + cols
             mask = idx < ce
@@ -192,7 +200,8 @@ def _dx_kernel(x_ptr, dy_ptr, dx_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr,
                 r = tl.minimum(idx // L, last)
                 m, a, a_full, c0, c1, b, ak = _dx_coeffs(m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr, dv_ptr,
                                                          gsum_ptr, mean_ptr, dmean_ptr, dvar_ptr, r, mask, C, Lf,
-                                                         scale, GSPLIT, GSTRIDE, ACT, BATCH, ACC)
+                                                         scale, GSPLIT, GSTRIDE, BSPLIT, BSTRIDE, ACT, BATCH,
+                                                         ACC)
             else:
                 nxt = idx >= r1
                 m = tl.where(nxt, m1, m0)

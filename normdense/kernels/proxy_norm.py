@@ -29,6 +29,7 @@ from .activations import act_args, act_forward, act_grad
 from .blocks import spread
 from .first_stage import FOLD_SIZES, fold, fold_args, split_args, split_sum
 from .scalars import rsqrt
+from .second_stage import BlockSums, sample_blocks
 
 __all__ = ['coeff_map', 'coeff_vjp']
 
@@ -205,11 +206,11 @@ def _coeff_map_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr, a_ptr, 
         _map_store(a_ptr, bb_ptr, k_ptr, l_ptr, off, mask, d, r, w, b, k, l_)
 
 
-@triton.jit(do_not_specialize=['N', 'C', 'G', 'per', 'S', 'GSPLIT', 'GSTRIDE'])
+@triton.jit(do_not_specialize=['N', 'C', 'G', 'per', 'S', 'GSPLIT', 'GSTRIDE', 'N_PER', 'PSTRIDE'])
 def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
                       ga_ptr, gb_ptr, gk_ptr, gl_ptr, s_ga_n, s_ga_c, s_gb_n, s_gb_c, s_gk_n, s_gk_c, s_gl_n, s_gl_c,
                       dm_ptr, dv_ptr, dw_ptr, db_ptr, dpb_ptr, dpg_ptr,
-                      N, C, G, per, S, GSPLIT, GSTRIDE, EPS: tl.constexpr, PROXY_EPS: tl.constexpr, ACT: tl.constexpr,
+                      N, C, G, per, S, GSPLIT, GSTRIDE, N_PER, PSTRIDE, EPS: tl.constexpr, PROXY_EPS: tl.constexpr, ACT: tl.constexpr,
                       P0: tl.constexpr, P1: tl.constexpr, AFFINE: tl.constexpr, SCALING: tl.constexpr,
                       CHUNKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
                       BLOCK_S: tl.constexpr):
@@ -221,10 +222,13 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
     w, b, pb, pg = _params(w_ptr, b_ptr, pb_ptr, pg_ptr, ch, cmask, dt, AFFINE)
     zero = tl.zeros([BLOCK_N, BLOCK_G, BLOCK_P], dtype=dt)
     dw3, db3, gk3, gl3 = zero, zero, zero, zero  # per-channel sums over N
-    # GN stage, per sample: A = r gamma and B = beta + A d, with d and r functions of the group's m, v
-    for n0 in range(0, N, BLOCK_N):
+    # GN stage, per sample: A = r gamma and B = beta + A d, with d and r functions of the group's m, v; this
+    # program's samples: block program_id(2) of N_PER (second_stage)
+    n_lo = tl.program_id(2) * N_PER
+    n_hi = tl.minimum(n_lo + N_PER, N)
+    for n0 in range(n_lo, n_hi, BLOCK_N):
         rows = n0 + tl.arange(0, BLOCK_N)[:, None, None]
-        rmask = rows < N
+        rmask = rows < n_hi
         mask = rmask & cmask[None]
         off = rows * C + ch[None]
         if CHUNKED:  # the group sums over all chunks (recomputed by each chunk's program)
@@ -291,11 +295,13 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
         if AFFINE:
             dy_sum += tl.sum(dz, axis=2)
             dy_q += tl.sum(dz * q, axis=2)
-    tl.store(dw_ptr + ch, dw, mask=cmask)
-    tl.store(db_ptr + ch, db, mask=cmask)
+    # the proxy terms are linear in the sums over N: a sample block adds its part (its row, PSTRIDE apart)
+    out = ch + tl.program_id(2) * PSTRIDE
+    tl.store(dw_ptr + out, dw, mask=cmask)
+    tl.store(db_ptr + out, db, mask=cmask)
     if AFFINE:  # Y = beta~ + (1 + gamma~) q, z = gamma Y + beta
-        tl.store(dpb_ptr + ch, w * dy_sum, mask=cmask)
-        tl.store(dpg_ptr + ch, w * dy_q, mask=cmask)
+        tl.store(dpb_ptr + out, w * dy_sum, mask=cmask)
+        tl.store(dpg_ptr + out, w * dy_q, mask=cmask)
 
 
 def _config(m, num_groups, num_samples, act, act_kwargs):
@@ -334,24 +340,24 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups, eps, act
 
 
 def coeff_vjp(res, grads, wants_stats, *, num_groups, eps, act, act_kwargs, proxy_eps, proxy_scaling,
-              proxy_affine):
+              proxy_affine, defer=False):
     """``GroupProxyNorm.coeff_vjp`` in one launch: (dm, dv, None, None, (d weight, d bias, d proxy_beta,
     d proxy_gamma)) (the proxy ones None without proxy_affine) for ``grads`` = (gA, gB, gK, gL), each (N, C)
     with any strides or the (SPLIT, N, C) chunk partials (added in the kernel); dm, dv in m's dtype, the
-    parameter gradients in the parameters' dtypes."""
+    parameter gradients in the parameters' dtypes. Many samples run on sample blocks too (``second_stage``):
+    ``defer`` returns a ``BlockSums`` of their partials in place of the parameter gradients, for dx to sum."""
     m, v, params, quantiles = res
     weight, bias, proxy_beta, proxy_gamma = params
     ga, gb, gk, gl = grads
     n, c, per, (_, grid), (_, blocks) = _config(m, num_groups, quantiles.numel(), act, act_kwargs)
     dm, dv = torch.empty_like(m), torch.empty_like(m)
-    # the parameter gradients in the parameters' dtypes (written so by the kernel: no cast launch)
-    dw, db = torch.empty_like(weight), torch.empty_like(bias)
-    dpb, dpg = (torch.empty_like(proxy_beta), torch.empty_like(proxy_gamma)) if proxy_affine else (dw, dw)
+    sb, n_per = sample_blocks(n, blocks['BLOCK_N'], grid[0] * grid[1])
+    out = BlockSums(sb, m, (weight, bias) + ((proxy_beta, proxy_gamma) if proxy_affine else (None, None)), False)
+    dw, db, dpb, dpg = out.slots[:4]
     pb, pg = (proxy_beta, proxy_gamma) if proxy_affine else (weight, weight)
     strides = [s for g in (ga, gb, gk, gl) for s in g.stride()[-2:]]  # (n, c) strides; the chunks' is shared
-    _coeff_vjp_kernel[grid](m, v, weight, bias, pb, pg, quantiles, ga, gb, gk, gl, *strides, dm, dv, dw, db, dpb,
-                            dpg, n, c, num_groups, per, quantiles.numel(), *split_args(ga), EPS=float(eps),
-                            PROXY_EPS=float(proxy_eps), AFFINE=bool(proxy_affine),
-                            SCALING=bool(proxy_scaling), **blocks)
-    dparams = (dw, db, dpb, dpg) if proxy_affine else (dw, db, None, None)
-    return dm, dv, None, None, dparams
+    _coeff_vjp_kernel[grid + (sb, )](m, v, weight, bias, pb, pg, quantiles, ga, gb, gk, gl, *strides, dm, dv, dw, db,
+                                     dpb, dpg, n, c, num_groups, per, quantiles.numel(), *split_args(ga), n_per,
+                                     out.stride, EPS=float(eps), PROXY_EPS=float(proxy_eps),
+                                     AFFINE=bool(proxy_affine), SCALING=bool(proxy_scaling), **blocks)
+    return (dm, dv) + out.result(defer)

@@ -69,7 +69,7 @@ class TritonBackend:
         return P.sums(x3, dy, m, v, coeffs, _act(act), merged=merged), None
 
     @staticmethod
-    def dx(x3, dy, m, v, coeffs, dm, dv, gsum, act=None, batch=None, state=None):
-        return P.dx(x3, dy, m, v, coeffs, dm.contiguous(), dv.contiguous(), gsum, _act(act),
-                    batch)
+    def dx(x3, dy, m, v, coeffs, dm, dv, gsum, act=None, batch=None, state=None, finish=None):
+        """dx; ``finish``: a layer VJP's ``second_stage.BlockSums`` (large N), summed in this launch."""
+        return P.dx(x3, dy, m, v, coeffs, dm.contiguous(), dv.contiguous(), gsum, _act(act), batch, finish)
 

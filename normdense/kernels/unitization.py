@@ -27,6 +27,7 @@ import triton.language as tl
 
 from .first_stage import FOLD_SIZES, fold, fold_args, split_args, split_sum
 from .scalars import from_hi_lo, hi_lo, rsqrt
+from .second_stage import BlockSums, sample_blocks
 
 
 def _blocks(channels: int, dtype=torch.float32):
@@ -93,9 +94,10 @@ def _coeff_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, b_ptr, 
         tl.store(bo_ptr + idx, b, mask=mask)
 
 
-@triton.jit(do_not_specialize=['N', 'C', 'GSPLIT', 'GSTRIDE'])
+@triton.jit(do_not_specialize=['N', 'C', 'GSPLIT', 'GSTRIDE', 'N_PER', 'PSTRIDE'])
 def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, p_ptr, ga_ptr, gb_ptr,
                       dm_ptr, de_ptr, dmean_ptr, dvar_ptr, dalpha_ptr, dw_ptr, db_ptr, N, C, GSPLIT, GSTRIDE,
+                      N_PER, PSTRIDE,
                       eps_hi, eps_lo, k_hi, k_lo, f_hi, f_lo,
                       AFFINE: tl.constexpr, WANTS_STATS: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -120,9 +122,11 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, p_ptr, 
     dmean = tl.zeros([BLOCK_C], dtype=dt)
     g_scale_sum = tl.zeros([BLOCK_C], dtype=dt)  # sum_n ga_t scale
     ds_e_sum = tl.zeros([BLOCK_C], dtype=dt)  # sum_n ds e
-    for n0 in range(0, N, BLOCK_N):
+    n_lo = tl.program_id(1) * N_PER  # this program's samples: block program_id(1) (second_stage)
+    n_hi = tl.minimum(n_lo + N_PER, N)
+    for n0 in range(n_lo, n_hi, BLOCK_N):
         rows = n0 + rows0
-        rmask = rows < N
+        rmask = rows < n_hi
         p = tl.load(p_ptr + rows, mask=rmask, other=1.0)
         # t_n = sum over ALL channels of d loss / d sc0 * alpha (every program recomputes it)
         t = tl.zeros([BLOCK_N], dtype=dt)
@@ -160,6 +164,7 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, p_ptr, 
             g_scale_sum += tl.sum(tl.where(mask, ga_t * scale, 0.0), axis=0)
             e = tl.load(v_ptr + idx, mask=mask, other=0.0) + mc * mc
             ds_e_sum += tl.sum(tl.where(mask, ds[:, None] * e, 0.0), axis=0)
+    cols = cols + tl.program_id(1) * PSTRIDE  # this sample block's row of partial sums (0: the final values)
     tl.store(dalpha_ptr + cols, dalpha, mask=cmask)
     if AFFINE:
         tl.store(dw_ptr + cols, dw, mask=cmask)
@@ -204,24 +209,25 @@ def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None,
     return (a, b_out), (m, v, mean, var, alpha, w if affine else None, p, split)
 
 
-def coeff_vjp(res, grads, wants_stats, *, affine):
+def coeff_vjp(res, grads, wants_stats, *, affine, defer=False):
     """``Unitization2d.coeff_vjp`` in one launch: (dm, dv, dmean, dvar, (d alpha, d weight, d bias)),
     dmean/dvar only when ``wants_stats``, d weight/d bias only with ``affine``; for ``grads`` (gA, gB), each
     (N, C) or its (SPLIT, N, C) chunk partials (added in the kernel). dm, dv, dmean, dvar in m's dtype, the
-    parameter gradients in the parameters' dtypes."""
+    parameter gradients in the parameters' dtypes. Many samples run on sample blocks too (``second_stage``):
+    ``defer`` returns their partials, dmean, dvar (SB, C) and a ``BlockSums`` in place of the parameter
+    gradients, for dx to sum; else they are summed here."""
     m, v, mean, var, alpha, w, p, split = res
     ga, gb = (g if g.dim() == 3 else g.contiguous() for g in grads)
     N, C = m.shape
     dm, de = torch.empty_like(m), torch.empty_like(m)
-    # the parameter gradients in the parameters' dtypes (written so by the kernel: no cast launch)
-    dalpha = torch.empty_like(alpha)
-    dw, db = (torch.empty_like(w), torch.empty_like(w)) if affine else (None, None)
-    dmean, dvar = (m.new_empty(C), m.new_empty(C)) if wants_stats else (None, None)
     block_n, block_c = _blocks(C, m.dtype)
-    _coeff_vjp_kernel[(triton.cdiv(C, block_c),)](
-        m, v, mean, var, alpha, w if affine else alpha, p, ga, gb, dm, de,
-        dmean if wants_stats else dalpha, dvar if wants_stats else dalpha, dalpha,
-        dw if affine else dalpha, db if affine else dalpha, N, C, *split_args(ga), *split,
-        AFFINE=affine, WANTS_STATS=wants_stats, BLOCK_N=block_n, BLOCK_C=block_c,
+    grid = triton.cdiv(C, block_c)
+    blocks, n_per = sample_blocks(N, block_n, grid)
+    out = BlockSums(blocks, m, (alpha, w, w if affine else None), wants_stats)
+    dalpha, dw, db, dmean, dvar = out.slots
+    _coeff_vjp_kernel[(grid, blocks)](
+        m, v, mean, var, alpha, w if affine else alpha, p, ga, gb, dm, de, dmean, dvar, dalpha, dw, db, N, C,
+        *split_args(ga), n_per, out.stride, *split, AFFINE=affine, WANTS_STATS=wants_stats, BLOCK_N=block_n,
+        BLOCK_C=block_c,
         num_warps=max(1, min(4, block_n * block_c // 32)))  # tiny tiles (small C): fewer idle threads, fewer spills
-    return dm, de, dmean, dvar, (dalpha, dw, db)
+    return (dm, de) + out.result(defer)

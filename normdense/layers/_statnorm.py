@@ -272,13 +272,23 @@ def _backward(ctx, x3, dy):
     kind, mean, var, count = call.stats
     # the Triton maps add the chunks' partial sums as they load them: no merge launch
     grads, state = be.sums(x3, dy, m, v, pc, act, merged=not call.triton_maps)
-    dm, dv, dmean, dvar, dparams = call.maps[1](ctx.res, grads, kind in ('batch', 'synced'))
+    # at large N the Triton maps may leave their sums over the samples as sample blocks' partials (a
+    # ``second_stage.BlockSums`` in place of dparams), which dx sums in its own launch
+    defer = {'defer': True} if call.triton_maps else {}
+    dm, dv, dmean, dvar, dparams = call.maps[1](ctx.res, grads, kind in ('batch', 'synced'), **defer)
+    later = dparams if hasattr(dparams, 'finish') else None
+    if later is not None:
+        dparams = later.params
+        if kind == 'synced' or not ctx.needs_input_grad[0]:  # no dx launch to sum them: torch does
+            dmean, dvar = later.finish()
+            later = None
     if kind == 'synced':  # every process joins the VJP's all-reduces, whether it needs dx or not
         dm, dv = synced_batch_moments_vjp(m, mean, count, x3.shape[2], dm, dv, dmean, dvar)
     dx = None
     if ctx.needs_input_grad[0]:
         batch = (mean, dmean, dvar, 1.0 / x3.shape[0]) if kind == 'batch' else None
-        dx = be.dx(x3, dy, m, v, pc, dm, dv, grads[1], act, batch, state)
+        dx = be.dx(x3, dy, m, v, pc, dm, dv, grads[1], act, batch, state,
+                   **({} if later is None else {'finish': later}))
     dparams = [None if d is None or t is None else d.to(t) for d, t in zip(dparams, ctx.param_dtypes)]
     return dx, dparams
 

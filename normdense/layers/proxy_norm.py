@@ -156,10 +156,11 @@ def _triton_coeff_map(cfg, m, v, mean, var, params, positions, count, first=None
                              **_triton_kwargs(cfg))
 
 
-def _triton_coeff_vjp(cfg, res, grads, wants_stats):
-    """:func:`coeff_vjp` as one Triton launch, for the residuals of :func:`_triton_coeff_map`."""
+def _triton_coeff_vjp(cfg, res, grads, wants_stats, defer=False):
+    """:func:`coeff_vjp` as one Triton launch, for the residuals of :func:`_triton_coeff_map` (``defer``: the
+    sums over many samples left as partials for the engine's dx, ``kernels.second_stage``)."""
     from ..kernels import proxy_norm as kernels
-    return kernels.coeff_vjp(res, grads, wants_stats, **_triton_kwargs(cfg))
+    return kernels.coeff_vjp(res, grads, wants_stats, defer=defer, **_triton_kwargs(cfg))
 
 
 class GroupProxyNorm(StatNorm2d, nn.GroupNorm):

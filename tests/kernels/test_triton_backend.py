@@ -290,3 +290,49 @@ def test_channels_last_and_autocast_without_hidden_passes(device, name):
         yc.backward(dy)
     torch.testing.assert_close(y.float(), yc.float(), rtol=0.02, atol=0.02)
     torch.testing.assert_close(xl.grad.float(), xc.grad.float(), rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize('name', ['bcn-estimate', 'bcn-batch-channel-affine', 'gnpn-gelu',
+                                  'lnpn-silu-no-proxy-affine', 'unitization-batch', 'unitization-batch-cumulative'])
+def test_large_batch_sums_in_sample_blocks(device, name, monkeypatch):
+    """Many samples (N = 24 with the coefficient kernels' tiles lowered to 32 elements, as N = 384 with the
+    default 512): the layer's VJP runs on sample blocks as well as channel blocks (``kernels.second_stage``)
+    and dx sums their partial parameter gradients (and dmean, dvar) in its own launch: float64 equal to ATen,
+    at most 6 launches, the same bits on a second run; with an input that needs no gradient (no dx) torch
+    sums them."""
+    from normdense.kernels import bcn, proxy_norm
+    from normdense.kernels import second_stage as S
+    monkeypatch.setattr(bcn, '_TILE', 32)
+    monkeypatch.setattr(proxy_norm, '_TILE', 32)
+    blocks = []
+    init = S.BlockSums.__init__
+
+    def spy(self, sb, *args):
+        blocks.append(sb)
+        init(self, sb, *args)
+
+    monkeypatch.setattr(S.BlockSums, '__init__', spy)
+    tri, aten = pair(name, device=device)
+    torch.manual_seed(4)
+    x = (torch.randn(24, C, 2, 1, dtype=torch.float64) * 2 + 1).to(device)
+    dy = torch.randn_like(x)
+    copy.deepcopy(tri)(x.clone().requires_grad_()).backward(dy)  # caches warm (GN+PN's quantiles)
+    grads = []
+    for _ in range(2):
+        layer = copy.deepcopy(tri)  # the same state each time (an estimate layer moves its estimates)
+        xg = x.clone().requires_grad_()
+        with count_launches() as n:
+            layer(xg).backward(dy)
+        assert n['triton'] + n['aten'] <= 6, f"{n['names']} + ATen {n['ops']}"
+        grads.append([xg.grad] + [p.grad for p in layer.parameters()])
+    assert blocks and min(blocks) > 1, blocks  # several sample blocks: the second stage ran
+    for a, b in zip(*grads):  # deterministic: a fixed order of the sums, no atomics
+        assert torch.equal(a, b)
+    assert_same(run(tri, [x]), run(aten, [x]))
+
+    for layer in (tri, aten):  # x needs no gradient: the parameter gradients only
+        for p in layer.parameters():
+            p.grad = None
+        layer(x).backward(dy)
+    for (name_t, p_t), p_a in zip(tri.named_parameters(), aten.parameters()):
+        torch.testing.assert_close(p_t.grad, p_a.grad, rtol=1e-10, atol=1e-10, msg=name_t)
