@@ -12,11 +12,12 @@ with gamma^c, beta^c per group (``group_affine``) or per channel.
 
 Layout: [BLOCK_N, BLOCK_G, BLOCK_P] tiles of (sample, group, channel in group), so the per-(n, g) statistics
 are reductions along the last axis. The map has no dependence across samples: a 2-D grid of (group block,
-sample block) programs. The VJP's per-channel gradients are sums over N: one program owns its channels and
-sums over all N in BLOCK_N steps (fixed order: deterministic, no atomics). A group of more than ``CHUNK``
-channels is walked in chunks of CHUNK channels (passes for the group sums, then one for the outputs) so no
-tile outgrows the registers; then the VJP runs one program per (group, chunk), each recomputing the group
-sums over all chunks (channel-sized work: no second launch). The VJP recomputes d, r, s from its inputs.
+sample block) programs. The VJP's per-channel gradients are sums over N: a program owns its channels and
+one block of samples, summed in BLOCK_N steps; at large N several sample blocks write partial rows that dx
+sums (``second_stage``: fixed order, deterministic, no atomics, no launch of its own). A group of more than
+``CHUNK`` channels is walked in chunks of CHUNK channels (passes for the group sums, then one for the outputs)
+so no tile outgrows the registers; then the VJP runs one program per (group, chunk, sample block), each
+recomputing its samples' group sums over all chunks. The VJP recomputes d, r, s from its inputs.
 In float64, 1 / sqrt is correctly rounded (``tl.rsqrt`` is ``rsqrt.approx.f64`` on sm_90).
 Given the engine's planned first stage (``first=``), each map program runs it for its own groups and samples
 first (``first_stage.fold``), so moments merge, statistics and map take one launch.
@@ -25,10 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .blocks import spread
+from .blocks import sample_blocks, spread
 from .first_stage import FOLD_SIZES, fold, fold_args, split_args, split_sum
 from .scalars import rsqrt
-from .second_stage import BlockSums, sample_blocks
+from .second_stage import BlockSums
 
 _CHANNELS = 128  # channels (whole groups) of a tile when the groups are small
 _TILE = 512  # elements of a [BLOCK_N, BLOCK_G, BLOCK_P] tile: no register spills in float64 (ptxas -v)
@@ -182,11 +183,9 @@ def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_p
     acc_gb = tl.zeros([BLOCK_N, BLOCK_G, 1], dtype=dt)
     # this program's samples: block program_id(2) of N_PER (its sums: row program_id(2) of the outputs, PSTRIDE
     # apart; second_stage)
-    n_lo = tl.program_id(2) * N_PER
-    n_hi = tl.minimum(n_lo + N_PER, N)
-    for n0 in range(n_lo, n_hi, BLOCK_N):
-        rows = n0 + tl.arange(0, BLOCK_N)[:, None, None]
-        rmask = rows < n_hi
+    for n0 in range(0, N_PER, BLOCK_N):  # N_PER: a multiple of BLOCK_N
+        rows = tl.program_id(2) * N_PER + n0 + tl.arange(0, BLOCK_N)[:, None, None]
+        rmask = rows < N
         mask = rmask & cmask
         off = rows * C + ch
         v = tl.load(v_ptr + off, mask=mask, other=0.0)

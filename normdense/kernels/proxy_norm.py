@@ -11,12 +11,14 @@ Dependence", arXiv:2106.03743, Eq. 7 and App. B. Per (n, c), from the moments m,
 
 Layout: [BLOCK_N, BLOCK_G, BLOCK_P] tiles of (sample, group, channel in the group) for the GN stage, so the
 per-(n, g) statistics are reductions along the last axis: the map on a 2-D grid of (group block, sample block)
-programs; the VJP one program per block of channels, summing the parameter gradients over N in BLOCK_N steps
-(fixed order, no atomics). The proxy moments of the same channels use [BLOCK_G, BLOCK_P, BLOCK_S] tiles of the
-quantiles (they depend only on parameters: recomputed by each program rather than stored). A group wider than
-``CHUNK`` channels (LN+PN) is walked in chunks (passes for the group sums, then the outputs); its VJP runs one
-program per (group, chunk), each recomputing the group sums. Block sizes come from a fixed menu keyed on the
-sizes. In float64, 1 / sqrt is correctly rounded (``tl.rsqrt`` is ``rsqrt.approx.f64`` on sm_90).
+programs; the VJP one program per (block of channels, block of samples), summing the parameter gradients over
+its samples in BLOCK_N steps; at large N the sample blocks' partial rows are summed by dx (``second_stage``:
+fixed order, no atomics, no launch of its own; each block adds its part of the proxy terms, which are linear
+in the sums). The proxy moments of the same channels use [BLOCK_G, BLOCK_P, BLOCK_S] tiles of the quantiles
+(they depend only on parameters: recomputed by each program rather than stored). A group wider than ``CHUNK``
+channels (LN+PN) is walked in chunks (passes for the group sums, then the outputs); its VJP runs one program
+per (group, chunk, sample block), each recomputing its samples' group sums. Block sizes come from a fixed
+menu keyed on the sizes. In float64, 1 / sqrt is correctly rounded (``tl.rsqrt`` is ``rsqrt.approx.f64`` on sm_90).
 
 The float configuration (eps, proxy_eps, the activation's parameters) is ``tl.constexpr``: a runtime float
 argument is float32 on the GPU and would round them in float64 computations.
@@ -26,10 +28,10 @@ import triton
 import triton.language as tl
 
 from .activations import act_args, act_forward, act_grad
-from .blocks import spread
+from .blocks import sample_blocks, spread
 from .first_stage import FOLD_SIZES, fold, fold_args, split_args, split_sum
 from .scalars import rsqrt
-from .second_stage import BlockSums, sample_blocks
+from .second_stage import BlockSums
 
 __all__ = ['coeff_map', 'coeff_vjp']
 
@@ -55,7 +57,7 @@ def _blocks(n: int, groups: int, per: int, samples: int, vjp: bool = False):
     elif vjp:
         bn, bg = spread(n, groups, bn, bg, bp, _TILE)
     bs = max(1, min(triton.next_power_of_2(samples), _PROXY_TILE // (bg * bp)))
-    return chunked, bn, bg, bp, bs, 8
+    return chunked, bn, bg, bp, bs, (4 if vjp and bn * bg * bp < _TILE else 8)
 
 
 @triton.jit
@@ -210,7 +212,8 @@ def _coeff_map_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr, a_ptr, 
 def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
                       ga_ptr, gb_ptr, gk_ptr, gl_ptr, s_ga_n, s_ga_c, s_gb_n, s_gb_c, s_gk_n, s_gk_c, s_gl_n, s_gl_c,
                       dm_ptr, dv_ptr, dw_ptr, db_ptr, dpb_ptr, dpg_ptr,
-                      N, C, G, per, S, GSPLIT, GSTRIDE, N_PER, PSTRIDE, EPS: tl.constexpr, PROXY_EPS: tl.constexpr, ACT: tl.constexpr,
+                      N, C, G, per, S, GSPLIT, GSTRIDE, N_PER, PSTRIDE, EPS: tl.constexpr, PROXY_EPS: tl.constexpr,
+                      ACT: tl.constexpr,
                       P0: tl.constexpr, P1: tl.constexpr, AFFINE: tl.constexpr, SCALING: tl.constexpr,
                       CHUNKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
                       BLOCK_S: tl.constexpr):
@@ -224,11 +227,9 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
     dw3, db3, gk3, gl3 = zero, zero, zero, zero  # per-channel sums over N
     # GN stage, per sample: A = r gamma and B = beta + A d, with d and r functions of the group's m, v; this
     # program's samples: block program_id(2) of N_PER (second_stage)
-    n_lo = tl.program_id(2) * N_PER
-    n_hi = tl.minimum(n_lo + N_PER, N)
-    for n0 in range(n_lo, n_hi, BLOCK_N):
-        rows = n0 + tl.arange(0, BLOCK_N)[:, None, None]
-        rmask = rows < n_hi
+    for n0 in range(0, N_PER, BLOCK_N):  # N_PER: a multiple of BLOCK_N
+        rows = tl.program_id(2) * N_PER + n0 + tl.arange(0, BLOCK_N)[:, None, None]
+        rmask = rows < N
         mask = rmask & cmask[None]
         off = rows * C + ch[None]
         if CHUNKED:  # the group sums over all chunks (recomputed by each chunk's program)

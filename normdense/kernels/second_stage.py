@@ -19,17 +19,7 @@ import triton.language as tl
 
 from .first_stage import split_sum
 
-PROGRAMS = 128  # spread a VJP over sample blocks until about this many programs (an H100 has 132 SMs)
 FINISH_BLOCK = 128  # columns per step of a dx program finishing the partials
-
-
-def sample_blocks(n: int, block_n: int, programs: int, target: int = None):
-    """(SB, n_per): the sample blocks of a VJP whose other grid axes have ``programs`` programs, and samples
-    per block (a multiple of block_n). A grid size and a runtime integer: no new variant per batch size."""
-    iters = triton.cdiv(n, block_n)
-    sb = max(1, min(iters, triton.cdiv(target or PROGRAMS, max(1, programs))))
-    n_per = triton.cdiv(iters, sb) * block_n
-    return triton.cdiv(n, n_per), n_per
 
 
 class BlockSums:

@@ -16,18 +16,20 @@ fp32, so each scalar travels as an fp32 pair (hi, lo) with hi + lo equal to it t
 
 Layout: p needs a sum over all channels of a sample, the parameter gradients sums over all samples. The map
 runs one program per block of samples (two loops over the channel blocks: p, then A, B); the VJP one program
-per block of channels, which first sums its samples' d p terms over all channels (recomputed by every
-program: no second launch, no atomics) and then owns its channels' outputs and sums over N, so the result is
-deterministic. Register tiles are [BLOCK_N, BLOCK_C] <= 1024 elements, block sizes keyed on C only. In float64,
-1 / sqrt is correctly rounded (not ``tl.rsqrt``: ``rsqrt.approx.f64`` on sm_90).
+per (block of channels, block of samples), which first sums its samples' d p terms over all channels
+(recomputed by every program: no second launch, no atomics) and then owns its channels' outputs and sums over
+its samples; at large N the sample blocks' partial rows are summed by dx in a fixed order (``second_stage``),
+so the result is deterministic. Register tiles are [BLOCK_N, BLOCK_C] <= 1024 elements, block sizes keyed on
+C only. In float64, 1 / sqrt is correctly rounded (not ``tl.rsqrt``: ``rsqrt.approx.f64`` on sm_90).
 """
 import torch
 import triton
 import triton.language as tl
 
+from .blocks import sample_blocks
 from .first_stage import FOLD_SIZES, fold, fold_args, split_args, split_sum
 from .scalars import from_hi_lo, hi_lo, rsqrt
-from .second_stage import BlockSums, sample_blocks
+from .second_stage import BlockSums
 
 
 def _blocks(channels: int, dtype=torch.float32):
@@ -48,7 +50,7 @@ def _channels(rows, rmask, cols, C, mean_ptr, var_ptr, f, eps, dt):
 
 
 @triton.jit(do_not_specialize=['N', 'C'] + FOLD_SIZES)
-def _coeff_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, b_ptr, a_ptr, bo_ptr, p_ptr, N, C,
+def _coeff_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, b_ptr, a_ptr, bo_ptr, p_ptr, rs_ptr, N, C,
                       eps_hi, eps_lo, k_hi, k_lo, f_hi, f_lo, f_part, f_m, f_v, f_mean, f_var, f_smean, f_svar,
                       f_base, f_moved, f_upd, f_nbt,
                       fN, fC, fL, fCHUNK, fSPLIT, f_rate_hi, f_rate_lo, f_mom_hi, f_mom_lo, fWRITE,
@@ -80,6 +82,8 @@ def _coeff_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, b_ptr, 
         cmask, mask, idx, mean, den = _channels(rows, rmask, cols, C, mean_ptr, var_ptr, f, eps, dt)
         alpha = tl.load(alpha_ptr + cols, mask=cmask, other=0.0).to(dt)
         rs = rsqrt(den)
+        # for the VJP (no float64 division there: its subroutine call spilled registers around it on sm_90)
+        tl.store(rs_ptr + cols, rs, mask=cmask & (tl.program_id(0) == 0))
         mc = tl.load(m_ptr + idx, mask=mask, other=0.0) - mean[None, :]
         scale = p[:, None] * alpha[None, :] + (1.0 - alpha)[None, :]
         if AFFINE:
@@ -94,47 +98,53 @@ def _coeff_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, b_ptr, 
         tl.store(bo_ptr + idx, b, mask=mask)
 
 
-@triton.jit(do_not_specialize=['N', 'C', 'GSPLIT', 'GSTRIDE', 'N_PER', 'PSTRIDE'])
-def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, p_ptr, ga_ptr, gb_ptr,
-                      dm_ptr, de_ptr, dmean_ptr, dvar_ptr, dalpha_ptr, dw_ptr, db_ptr, N, C, GSPLIT, GSTRIDE,
-                      N_PER, PSTRIDE,
-                      eps_hi, eps_lo, k_hi, k_lo, f_hi, f_lo,
-                      AFFINE: tl.constexpr, WANTS_STATS: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-    dt = m_ptr.dtype.element_ty
-    eps, k, f = from_hi_lo(eps_hi, eps_lo, dt), from_hi_lo(k_hi, k_lo, dt), from_hi_lo(f_hi, f_lo, dt)
-    rows0 = tl.arange(0, BLOCK_N)
-    cols0 = tl.arange(0, BLOCK_C)
-    # this program's channels
-    cols = tl.program_id(0) * BLOCK_C + cols0
-    cmask = cols < C
+@triton.jit
+def _own(mean_ptr, rs_ptr, alpha_ptr, w_ptr, cols, cmask, dt, AFFINE: tl.constexpr):
+    """A VJP program's channels: stage 1's mean, rs = 1 / sqrt(f var + eps) as the map computed it, alpha, gamma."""
     mean = tl.load(mean_ptr + cols, mask=cmask, other=0.0).to(dt)
-    rs = rsqrt(tl.load(var_ptr + cols, mask=cmask, other=1.0).to(dt) * f + eps)
-    rs2 = rs * rs
+    rs = tl.load(rs_ptr + cols, mask=cmask, other=0.0)
     alpha = tl.load(alpha_ptr + cols, mask=cmask, other=0.0).to(dt)
     if AFFINE:
         w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(dt)
     else:
-        w = tl.full([BLOCK_C], 1.0, dt)
+        w = tl.full(cols.shape, 1.0, dt)
+    return mean, rs, alpha, w
+
+
+@triton.jit(do_not_specialize=['N', 'C', 'GSPLIT', 'GSTRIDE', 'N_PER', 'PSTRIDE'])
+def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, rs_ptr, alpha_ptr, w_ptr, p_ptr, ga_ptr, gb_ptr,
+                      dm_ptr, de_ptr, dmean_ptr, dvar_ptr, dalpha_ptr, dw_ptr, db_ptr, N, C, GSPLIT, GSTRIDE,
+                      N_PER, PSTRIDE, k_hi, k_lo, f_hi, f_lo,
+                      AFFINE: tl.constexpr, WANTS_STATS: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    dt = m_ptr.dtype.element_ty
+    k, f = from_hi_lo(k_hi, k_lo, dt), from_hi_lo(f_hi, f_lo, dt)
+    rows0 = tl.arange(0, BLOCK_N)
+    cols0 = tl.arange(0, BLOCK_C)
+    # this program's channels (their mean, rs, alpha, gamma: loaded where used, from cache, so that ptxas
+    # keeps no float64 value live across the loop over all channels: it spilled them there at -O3)
+    cols = tl.program_id(0) * BLOCK_C + cols0
+    cmask = cols < C
     dalpha = tl.zeros([BLOCK_C], dtype=dt)
     dw = tl.zeros([BLOCK_C], dtype=dt)
     db = tl.zeros([BLOCK_C], dtype=dt)
     dmean = tl.zeros([BLOCK_C], dtype=dt)
     g_scale_sum = tl.zeros([BLOCK_C], dtype=dt)  # sum_n ga_t scale
     ds_e_sum = tl.zeros([BLOCK_C], dtype=dt)  # sum_n ds e
-    n_lo = tl.program_id(1) * N_PER  # this program's samples: block program_id(1) (second_stage)
-    n_hi = tl.minimum(n_lo + N_PER, N)
-    for n0 in range(n_lo, n_hi, BLOCK_N):
-        rows = n0 + rows0
-        rmask = rows < n_hi
+    # this program's samples: block program_id(1) of N_PER, a multiple of BLOCK_N (second_stage)
+    for n0 in range(0, N_PER, BLOCK_N):
+        rows = tl.program_id(1) * N_PER + n0 + rows0
+        rmask = rows < N
         p = tl.load(p_ptr + rows, mask=rmask, other=1.0)
         # t_n = sum over ALL channels of d loss / d sc0 * alpha (every program recomputes it)
         t = tl.zeros([BLOCK_N], dtype=dt)
         for c0 in range(0, C, BLOCK_C):
             cj = c0 + cols0
-            cjm, mask, idx, mean_j, den = _channels(rows, rmask, cj, C, mean_ptr, var_ptr, f, eps, dt)
-            rs_j = rsqrt(den)
-            coef = tl.load(alpha_ptr + cj, mask=cjm, other=0.0).to(dt) * rs_j
+            cjm = cj < C
+            mask = rmask[:, None] & cjm[None, :]
+            idx = rows[:, None] * C + cj[None, :]
+            mean_j = tl.load(mean_ptr + cj, mask=cjm, other=0.0).to(dt)
+            coef = tl.load(alpha_ptr + cj, mask=cjm, other=0.0).to(dt) * tl.load(rs_ptr + cj, mask=cjm, other=0.0)
             if AFFINE:
                 coef = coef * tl.load(w_ptr + cj, mask=cjm, other=0.0).to(dt)
             ga_t = (split_sum(ga_ptr, idx, mask, GSPLIT, GSTRIDE, dt)
@@ -142,6 +152,8 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, p_ptr, 
                     * (tl.load(m_ptr + idx, mask=mask, other=0.0) - mean_j[None, :]))
             t += tl.sum(tl.where(mask, ga_t * coef[None, :], 0.0), axis=1)
         ds = t * p * p * p * (-0.5 * k)  # d loss / d (sum_c e rs^2), per sample
+        mean, rs, alpha, w = _own(mean_ptr, rs_ptr, alpha_ptr, w_ptr, cols, cmask, dt, AFFINE)
+        rs2 = rs * rs
         mask = rmask[:, None] & cmask[None, :]
         idx = rows[:, None] * C + cols[None, :]
         ga = split_sum(ga_ptr, idx, mask, GSPLIT, GSTRIDE, dt)
@@ -171,6 +183,8 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, p_ptr, 
         tl.store(db_ptr + cols, db, mask=cmask)
     if WANTS_STATS:
         tl.store(dmean_ptr + cols, dmean, mask=cmask)
+        rs = tl.load(rs_ptr + cols - tl.program_id(1) * PSTRIDE, mask=cmask, other=0.0)
+        rs2 = rs * rs
         g_rs = g_scale_sum + 2.0 * rs * ds_e_sum
         tl.store(dvar_ptr + cols, g_rs * rs2 * rs * (-0.5 * f), mask=cmask)
 
@@ -190,7 +204,8 @@ def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None,
     """``normdense.layers.unitization.coeff_map`` in one launch: ((A, B), res) for y = A (x - m) + B, each (N, C).
 
     ``count`` (an int) marks batch statistics (its variance factor applies), None fixed ones (estimate mode,
-    eval). ``res`` holds the inputs, p and the scalars: the VJP recomputes the rest. ``first``: the engine's
+    eval). ``res`` holds the inputs, p, rs = 1 / sqrt(f var + eps) (C,) and the scalars: the VJP recomputes
+    the rest. ``first``: the engine's
     planned first stage (``first_stage.FirstStage``, whose outputs m, v, mean, var are): run in this launch.
     """
     alpha, w, b = params
@@ -198,15 +213,15 @@ def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None,
     m, v, mean, var = m.contiguous(), v.contiguous(), mean.contiguous(), var.contiguous()
     a = torch.empty_like(m)
     b_out = torch.empty_like(m)
-    p = m.new_empty(N)
+    p, rs = m.new_empty(N), m.new_empty(C)
     scalars = _scalars(eps, positions, count, n, norm_divisor, var_correction)
     split = [h for s in scalars for h in hi_lo(s)]
     block_n, block_c = _blocks(C, m.dtype)
     fargs, fconst = fold_args(first, m)
     _coeff_map_kernel[(triton.cdiv(N, block_n),)](
-        m, v, mean, var, alpha, w if affine else alpha, b if affine else alpha, a, b_out, p, N, C, *split,
+        m, v, mean, var, alpha, w if affine else alpha, b if affine else alpha, a, b_out, p, rs, N, C, *split,
         *fargs, AFFINE=affine, BLOCK_N=block_n, BLOCK_C=block_c, **fconst)
-    return (a, b_out), (m, v, mean, var, alpha, w if affine else None, p, split)
+    return (a, b_out), (m, v, mean, rs, alpha, w if affine else None, p, split)
 
 
 def coeff_vjp(res, grads, wants_stats, *, affine, defer=False):
@@ -216,7 +231,7 @@ def coeff_vjp(res, grads, wants_stats, *, affine, defer=False):
     parameter gradients in the parameters' dtypes. Many samples run on sample blocks too (``second_stage``):
     ``defer`` returns their partials, dmean, dvar (SB, C) and a ``BlockSums`` in place of the parameter
     gradients, for dx to sum; else they are summed here."""
-    m, v, mean, var, alpha, w, p, split = res
+    m, v, mean, rs, alpha, w, p, split = res
     ga, gb = (g if g.dim() == 3 else g.contiguous() for g in grads)
     N, C = m.shape
     dm, de = torch.empty_like(m), torch.empty_like(m)
@@ -226,8 +241,8 @@ def coeff_vjp(res, grads, wants_stats, *, affine, defer=False):
     out = BlockSums(blocks, m, (alpha, w, w if affine else None), wants_stats)
     dalpha, dw, db, dmean, dvar = out.slots
     _coeff_vjp_kernel[(grid, blocks)](
-        m, v, mean, var, alpha, w if affine else alpha, p, ga, gb, dm, de, dmean, dvar, dalpha, dw, db, N, C,
-        *split_args(ga), n_per, out.stride, *split, AFFINE=affine, WANTS_STATS=wants_stats, BLOCK_N=block_n,
+        m, v, mean, rs, alpha, w if affine else alpha, p, ga, gb, dm, de, dmean, dvar, dalpha, dw, db, N, C,
+        *split_args(ga), n_per, out.stride, *split[2:], AFFINE=affine, WANTS_STATS=wants_stats, BLOCK_N=block_n,
         BLOCK_C=block_c,
         num_warps=max(1, min(4, block_n * block_c // 32)))  # tiny tiles (small C): fewer idle threads, fewer spills
     return (dm, de) + out.result(defer)

@@ -118,12 +118,14 @@ def test_several_programs_and_loop_iterations(device, launches):
                                                            for ga, w in MODES])
 def test_large_batch_in_sample_blocks(group_affine, wants, device, launches):
     """N = 70 in sample blocks of 4 (the last one partial): 18 map programs per group block; 2 group blocks of
-    32 groups of 4 (the second one partial). The VJP, spread over the groups: 40 programs of one group, the
-    samples in one tile of 128."""
+    32 groups of 4 (the second one partial). The VJP, spread over the groups and the samples: 40 programs of
+    one group x 3 sample blocks of 32 samples (the last one of 6), in tiles of 16."""
     from normdense.kernels.bcn import _blocks
+    from normdense.kernels.blocks import sample_blocks
     per, chunked, block_n, block_g, block_p, _ = _blocks(70, 160, 40)
     assert (per, chunked, block_n, block_g, block_p) == (4, False, 4, 32, 4)
-    assert _blocks(70, 160, 40, vjp=True)[2:5] == (128, 1, 4)
+    assert _blocks(70, 160, 40, vjp=True)[2:5] == (16, 1, 4)
+    assert sample_blocks(70, 16, 40) == (3, 32)
     layer, inputs, grads = _inputs((70, 40, 4), group_affine, torch.float64, device, seed=11)
     _check(layer, inputs, grads, wants, TOL[torch.float64], launches)
 
@@ -132,11 +134,16 @@ def test_large_batch_in_sample_blocks(group_affine, wants, device, launches):
                                                            for ga, w in MODES])
 def test_vjp_spread_over_groups_with_sample_iterations(group_affine, wants, device, launches):
     """Classification batch sizes: the VJP takes one group per program (at least min(G, 32) programs share the
-    sums over N instead of one), and here still 3 iterations over N = 70 (32, 32, 6)."""
+    sums over N instead of one) and tiles of 16 samples, each sample its own block here (N = 70: 5 blocks, the
+    last one of 6)."""
     from normdense.kernels.bcn import _blocks
+    from normdense.kernels.blocks import sample_blocks
     assert _blocks(70, 32, 2)[2:5] == (16, 2, 16)  # the map: 5 sample blocks of both groups
-    assert _blocks(70, 32, 2, vjp=True)[2:5] == (32, 1, 16)
-    assert _blocks(256, 64, 32, vjp=True)[2:5] == (256, 1, 2)  # N = 256, C = 64: 32 programs, not 1
+    assert _blocks(70, 32, 2, vjp=True)[2:5] == (16, 1, 16)
+    assert sample_blocks(70, 16, 2) == (5, 16)
+    # N = 256, C = 64: 32 group programs x 4 sample blocks of 64 (was one program looping over N)
+    assert _blocks(256, 64, 32, vjp=True)[2:5] == (64, 1, 2)
+    assert sample_blocks(256, 64, 32) == (4, 64)
     layer, inputs, grads = _inputs((70, 2, 16), group_affine, torch.float64, device, seed=12)
     _check(layer, inputs, grads, wants, TOL[torch.float64], launches)
 

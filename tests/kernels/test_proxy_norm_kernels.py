@@ -113,12 +113,14 @@ def test_several_programs_and_sample_blocks(act, scaling, affine, shape, dtype, 
 
 def test_large_batch_in_sample_blocks(device):
     """N = 70 in sample blocks of 8 (the last one partial): 9 map programs per group block; 2 group blocks of
-    16 groups of 4 (the second one partial). The VJP spread over the groups: 20 programs of one group (not 2),
-    the samples in one tile of 128."""
+    16 groups of 4 (the second one partial). The VJP spread over the groups and the samples: 20 programs of one
+    group (not 2) x 5 sample blocks of 16 (the last one of 6), summed by the second stage."""
+    from normdense.kernels.blocks import sample_blocks
     chunked, bn, bg, bp, bs, _ = K._blocks(70, 20, 4, 13)
     assert (chunked, bn, bg, bp) == (False, 8, 16, 4) and 70 % bn
     chunked, bn, bg, bp, bs, _ = K._blocks(70, 20, 4, 13, vjp=True)
-    assert (chunked, bn, bg, bp) == (False, 128, 1, 4)
+    assert (chunked, bn, bg, bp) == (False, 16, 1, 4)
+    assert sample_blocks(70, 16, 20) == (5, 16)
     _check('gelu', True, True, (70, 80, 20, 13), torch.float64, device)
 
 

@@ -90,11 +90,14 @@ SEVERAL = [(True, 'batch', (None, 'hw_squared'), 'keras'), (False, 'fixed', (10.
 
 @pytest.mark.parametrize('affine, stats, divisor, var_correction', SEVERAL)
 def test_several_programs_and_blocks(affine, stats, divisor, var_correction, device):
-    """C = 300 (three channel blocks of 128: three VJP programs, each summing p's terms over all blocks)
-    and N = 17 (three blocks of 8 samples: three map programs, three VJP sample loops)."""
+    """C = 300 (three channel blocks of 128: three VJP programs per sample block, each summing p's terms over
+    all channel blocks) and N = 17 (float64: 9 blocks of 2 samples, in the map and in the VJP, whose partial
+    sums the second stage adds)."""
+    from normdense.kernels.blocks import sample_blocks
     from normdense.kernels.unitization import _blocks
-    block_n, block_c = _blocks(300)
+    block_n, block_c = _blocks(300, torch.float64)
     assert 300 > 2 * block_c and 17 > 2 * block_n
+    assert sample_blocks(17, block_n, 3) == (9, 2)
     layer = _layer(300, affine, divisor[0], divisor[1], var_correction)
     _check(layer, 17, 300, torch.float64, device, stats)
 
