@@ -190,9 +190,10 @@ def _stats_kernel(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat
 
 def stat_blocks(c: int, dtype=torch.float32):
     """(BLOCK_N, BLOCK_C) of the first stage's tiles: keyed on C and the compute dtype only, <= 512 elements
-    (256 in float64): larger tiles spilled registers inside the map kernels on sm_90 (ptxas -v)."""
+    (128 in float64): larger tiles spilled registers inside the map kernels on sm_90 (ptxas -v, the noinline
+    fold counted)."""
     block_c = min(triton.next_power_of_2(max(c, 1)), 128)
-    return max(1, (256 if dtype == torch.float64 else 512) // block_c), block_c
+    return max(1, (128 if dtype == torch.float64 else 512) // block_c), block_c
 
 
 def acc_dtype(dtype: torch.dtype):

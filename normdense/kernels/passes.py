@@ -31,6 +31,7 @@ from .first_stage import _stats_kernel, stats  # noqa: F401  (the first stage: i
 from .passes_bwd import _dx_kernel, _merge_kernel, _sums_kernel
 from .passes_fwd import _apply_kernel, _moments_kernel
 from .passes_tiles import cl_blocks, vector_width
+from .second_stage import FINISH_BLOCK
 from .scalars import hi_lo
 
 ACT_NONE = -1  # y = A t + B, no activation
@@ -189,11 +190,14 @@ def dx(x3, dy, m, v, coeffs, dm, dv, gsum, act=None, batch=None, finish=None):
     if batch is not None and bsplit > 1 and dvar.stride(0) != bstride:
         raise ValueError('passes.dx: dmean and dvar partials must share their row stride')
     src, dst, fin_p, fin_sb, fin_stride = finish.dx_args() if finish is not None else (m, m, 0, 1, 0)
+    if fin_p > plan['grid'][0] * FINISH_BLOCK:  # too few programs to take a block of columns each: torch sums
+        finish.finish()
+        src, dst, fin_p, fin_sb, fin_stride = finish.dx_args()
     _dx_kernel[plan['grid']](x3, dy, out, m, v, a, b, k, dm, dv, gsum, mean, dmean, dvar, src, dst, c, length,
                              plan['CHUNK'], gsplit, gstride, bsplit, bstride, fin_p, fin_sb, fin_stride,
                              *hi_lo(scale), *hi_lo(p0), *hi_lo(p1), ACT=act_id,
                              BATCH=batch is not None, BLOCK=plan['BLOCK'], BLOCK_C=plan['BLOCK_C'], V=plan['V'],
-                             SMALL=plan['SMALL'], CL=plan['CL'], ACC=acc_dtype(x3.dtype))
+                             SMALL=plan['SMALL'], CL=plan['CL'], ACC=acc_dtype(x3.dtype), FINISH=fin_p > 0)
     if finish is not None:
         finish.done = True  # summed by this launch
     return out

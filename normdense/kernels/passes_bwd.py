@@ -156,13 +156,11 @@ def _dx_kernel(x_ptr, dy_ptr, dx_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr,
                dmean_ptr, dvar_ptr, fin_src, fin_dst, C, L, CHUNK, GSPLIT, GSTRIDE, BSPLIT, BSTRIDE, FIN_P, FIN_SB,
                FIN_STRIDE, sc_h, sc_l, p0h, p0l, p1h, p1l, ACT: tl.constexpr,
                BATCH: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, V: tl.constexpr,
-               SMALL: tl.constexpr, CL: tl.constexpr, ACC: tl.constexpr):
+               SMALL: tl.constexpr, CL: tl.constexpr, ACC: tl.constexpr, FINISH: tl.constexpr):
     """dx = A g + c1 t + c0 (:func:`_dx_coeffs`), g = dy (g = K dy act'(z) with an activation), written in
     x's dtype and layout; the programs' parts as in :func:`passes_fwd._apply_kernel`. The programs of split 0
-    also finish the layer VJP's FIN_P sample-block sums (``second_stage.finish``; FIN_P = 0: none)."""
+    also finish the layer VJP's FIN_P sample-block sums (FINISH: ``second_stage.finish``)."""
     s = tl.program_id(1)
-    if s == 0:
-        finish(fin_src, fin_dst, FIN_P, FIN_SB, FIN_STRIDE, tl.program_id(0), tl.num_programs(0), FINISH_BLOCK)
     Lf = L.to(ACC)
     scale = from_hi_lo(sc_h, sc_l, ACC)
     p0 = from_hi_lo(p0h, p0l, ACC)
@@ -214,3 +212,6 @@ def _dx_kernel(x_ptr, dy_ptr, dx_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr,
             t, g = _t_and_dy(x_ptr, dy_ptr, idx, mask, m, ACC)
             dx = _dx_map(t, g, a, a_full, c0, c1, b, ak, p0, p1, ACT)
             tl.store(dx_ptr + idx, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    if FINISH:  # a variant of its own (large N only): ptxas spilled registers of the others with it in
+        if tl.program_id(1) == 0:
+            finish(fin_src, fin_dst, FIN_P, FIN_SB, FIN_STRIDE, tl.program_id(0), FINISH_BLOCK)

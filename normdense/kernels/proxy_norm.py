@@ -37,11 +37,14 @@ __all__ = ['coeff_map', 'coeff_vjp']
 
 _CHANNELS = 64  # channels per program (whole groups), when the groups are smaller
 _TILE = 512  # elements of a [BLOCK_N, BLOCK_G, BLOCK_P] tile of the GN stage
-_PROXY_TILE = 1024  # elements of a [groups, channels, samples] tile of the proxy (8 warps: no spills in float64)
+# elements of a [groups, channels, samples] tile of the proxy (8 warps); the float64 map's: 256 (larger ones
+# spilled registers around its division at 256 images, ptxas -v on sm_90; the VJP's did with 256)
+_PROXY_TILE = 1024
+_PROXY_TILE_MAP64 = 256
 CHUNK = 256  # a group of more channels is walked in chunks of this many (module-level: the tests lower it)
 
 
-def _blocks(n: int, groups: int, per: int, samples: int, vjp: bool = False):
+def _blocks(n: int, groups: int, per: int, samples: int, vjp: bool = False, dtype=torch.float32):
     """(CHUNKED, BLOCK_N, BLOCK_G, BLOCK_P, BLOCK_S, num_warps): a fixed menu keyed on the sizes (powers of 2:
     a few compiled variants, none per batch size); ``vjp``: the VJP's, spread over more programs when the
     samples take several iterations (``blocks.spread``)."""
@@ -56,8 +59,11 @@ def _blocks(n: int, groups: int, per: int, samples: int, vjp: bool = False):
         bn = max(2, bn)
     elif vjp:
         bn, bg = spread(n, groups, bn, bg, bp, _TILE)
-    bs = max(1, min(triton.next_power_of_2(samples), _PROXY_TILE // (bg * bp)))
-    return chunked, bn, bg, bp, bs, (4 if vjp and bn * bg * bp < _TILE else 8)
+    tile = _PROXY_TILE_MAP64 if dtype == torch.float64 and not vjp else _PROXY_TILE
+    bs = max(1, min(triton.next_power_of_2(samples), tile // (bg * bp)))
+    # a VJP tile shrunk for sample blocks (blocks.spread): 4 warps (8 spilled float64 registers at [64, 2, 1])
+    shrunk = vjp and bn * bg * bp < _TILE and triton.cdiv(n, bn) > 1
+    return chunked, bn, bg, bp, bs, 4 if shrunk else 8
 
 
 @triton.jit
@@ -200,11 +206,13 @@ def _coeff_map_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr, a_ptr, 
             _map_store(a_ptr, bb_ptr, k_ptr, l_ptr, off, mask, d, r, w, b, k, l_)
     else:
         ch, cmask = _channels(pid_g, 0, G, per, BLOCK_G, BLOCK_P)
+        # the proxy first (channel-sized): no (sample, channel) tile stays live across its float64 division
+        # (ptxas spilled registers around that subroutine call at [8, 8, 8] tiles)
+        w, b, pb, pg = _params(w_ptr, b_ptr, pb_ptr, pg_ptr, ch, cmask, dt, AFFINE)
+        k, l_ = _proxy_kl(w, b, pb, pg, q_ptr, S, PROXY_EPS, ACT, P0, P1, AFFINE, SCALING, BLOCK_S)
         mask = rmask & cmask[None]
         off = rows * C + ch[None]
         d, r = _gn_stage(m_ptr, v_ptr, off, mask, inv, EPS)
-        w, b, pb, pg = _params(w_ptr, b_ptr, pb_ptr, pg_ptr, ch, cmask, dt, AFFINE)
-        k, l_ = _proxy_kl(w, b, pb, pg, q_ptr, S, PROXY_EPS, ACT, P0, P1, AFFINE, SCALING, BLOCK_S)
         _map_store(a_ptr, bb_ptr, k_ptr, l_ptr, off, mask, d, r, w, b, k, l_)
 
 
@@ -313,7 +321,7 @@ def _config(m, num_groups, num_samples, act, act_kwargs):
     act_id, p0, p1 = act_args(act, act_kwargs)
     grids, blocks = [], []
     for vjp in (False, True):  # the map's, then the VJP's (spread over more programs for many samples)
-        chunked, bn, bg, bp, bs, warps = _blocks(n, num_groups, per, num_samples, vjp)
+        chunked, bn, bg, bp, bs, warps = _blocks(n, num_groups, per, num_samples, vjp, m.dtype)
         groups = triton.cdiv(num_groups, bg)
         grids.append((groups, triton.cdiv(per, bp) if chunked else 1) if vjp else (groups, triton.cdiv(n, bn)))
         blocks.append(dict(ACT=act_id, P0=p0, P1=p1, CHUNKED=chunked, BLOCK_N=bn, BLOCK_G=bg, BLOCK_P=bp,

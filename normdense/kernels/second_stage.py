@@ -6,9 +6,10 @@ A layer's VJP kernel runs on a grid of (channel blocks, ..., sample blocks): eac
 block of ``n_per`` samples and writes one partial row of the flat buffer ``part`` (SB, width). Every quantity
 summed this way is linear in the per-sample sums (the closed forms multiply them by per-channel factors), so
 a program may apply those factors to its partial. The partials are then summed without a launch of their
-own: dx, the backward's last kernel, finishes them (its programs take columns j, j + stride, ... and add the
-SB rows in order, :func:`finish`; dmean, dvar are added as dx loads them, ``first_stage.split_sum``). Where
-no dx runs (the input needs no gradient) :meth:`BlockSums.finish` sums them in torch.
+own: dx, the backward's last kernel, finishes them (program p of its first chunk takes the FINISH_BLOCK
+columns from p * FINISH_BLOCK on and adds the SB rows in order, :func:`finish`; dmean, dvar are added as dx
+loads them, ``first_stage.split_sum``). Where no dx runs (the input needs no gradient), or dx has too few
+programs, :meth:`BlockSums.finish` sums them in torch.
 
 At detection's N = 1-2 the samples take one iteration: SB = 1, the kernels write the final values directly
 and nothing here runs.
@@ -19,7 +20,9 @@ import triton.language as tl
 
 from .first_stage import split_sum
 
-FINISH_BLOCK = 128  # columns per step of a dx program finishing the partials
+# columns per dx program finishing the partials (a constexpr: jit code may read no other global); 512: the dx
+# variants with the second stage do not spill in float64 (128 did, ptxas -v on sm_90)
+FINISH_BLOCK = tl.constexpr(512)
 
 
 class BlockSums:
@@ -82,11 +85,9 @@ class BlockSums:
 
 
 @triton.jit
-def finish(src_ptr, dst_ptr, P, SB, STRIDE, pid, programs, BLOCK: tl.constexpr):
-    """dst[j] = sum over b < SB of src[b * STRIDE + j], in block order, for the columns j < P of program pid of
-    ``programs`` (BLOCK columns at a time, strided over the programs): the second stage, in dx's launch."""
-    cols = tl.arange(0, BLOCK)
-    for c0 in range(pid * BLOCK, P, programs * BLOCK):
-        j = c0 + cols
-        mask = j < P
-        tl.store(dst_ptr + j, split_sum(src_ptr, j, mask, SB, STRIDE, src_ptr.dtype.element_ty), mask=mask)
+def finish(src_ptr, dst_ptr, P, SB, STRIDE, pid, BLOCK: tl.constexpr):
+    """dst[j] = sum over b < SB of src[b * STRIDE + j], in block order, for the BLOCK columns j < P of program
+    pid: the second stage, in dx's launch (``passes.dx`` checks that its programs cover P)."""
+    j = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = j < P
+    tl.store(dst_ptr + j, split_sum(src_ptr, j, mask, SB, STRIDE, src_ptr.dtype.element_ty), mask=mask)

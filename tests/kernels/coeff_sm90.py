@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from tests.kernels.sm90_compile import _sig  # noqa: E402
+from tests.kernels.sm90_compile import _sig, ptxas_resources  # noqa: E402
 
 PER = (1, 2, 8, 16, 32, 64, 256, 4096)  # channels per group
 BATCH = (1, 2, 256)
@@ -130,8 +130,7 @@ def check(variant, target, workdir):
         f.write(ptx)
     out = subprocess.run([PTXAS, '-v', '--gpu-name', f'sm_{target.arch}a', path, '-o', path + '.cubin'],
                          capture_output=True, text=True).stderr
-    regs = int(re.search(r'Used (\d+) registers', out).group(1))
-    stores, loads = map(int, re.search(r'(\d+) bytes spill stores, (\d+) bytes spill loads', out).groups())
+    regs, stores, loads = ptxas_resources(out)  # every function's (noinline callees too)
     if stores or loads:
         problems.append(f'register spills: {stores} B stores, {loads} B loads')
     return problems, regs, stores, loads

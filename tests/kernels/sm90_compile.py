@@ -101,10 +101,12 @@ def run_ptxas(ptx, arch):
 
 
 def ptxas_resources(log):
-    """(registers, spill store bytes, spill load bytes) from ``ptxas -v``'s lines (None where absent)."""
-    regs = re.search(r'Used (\d+) registers', log)
-    spills = re.search(r'(\d+) bytes spill stores, (\d+) bytes spill loads', log)
-    return (int(regs.group(1)) if regs else None, *(map(int, spills.groups()) if spills else (None, None)))
+    """(registers, spill store bytes, spill load bytes) from ``ptxas -v``'s lines (None where absent): the most
+    registers and the spills summed over the functions it lists (a kernel and its noinline callees)."""
+    regs = [int(r) for r in re.findall(r'Used (\d+) registers', log)]
+    spills = re.findall(r'(\d+) bytes spill stores, (\d+) bytes spill loads', log)
+    return (max(regs) if regs else None, *((sum(int(s[0]) for s in spills), sum(int(s[1]) for s in spills))
+                                           if spills else (None, None)))
 
 
 # --- TTIR ---------------------------------------------------------------------------------------------------

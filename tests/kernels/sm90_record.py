@@ -25,7 +25,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 N, CHANNELS, GROUPS = 2, 256, 32  # 2 images x 256 channels; mmdet's GN default of 32 groups where grouped
-LEVELS = {'P2': (200, 304), 'P3': (100, 152), 'P4': (50, 76), 'P5': (25, 38), 'P6': (13, 19), 'P7': (7, 10)}
+LEVELS = {'P2': (200, 304), 'P3': (100, 152), 'P4': (50, 76), 'P5': (25, 38), 'P6': (13, 19), 'P7': (7, 10),
+          'N256': (7, 7)}
+# images per level: N, but a classification batch at ResNet's last stage for N256 (the VJPs' sample blocks and
+# dx's second stage, kernels/second_stage.py)
+BATCH = {'N256': 256}
+
+
+def batch(level: str) -> int:
+    return BATCH.get(level, N)
 DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': torch.float32, 'fp64': torch.float64}
 # bf16 x under autocast (float32 parameters; y and dy in bf16: the engine's output keeps x's dtype under
 # autocast) and channels_last networks (x and dy strided)
@@ -158,9 +166,9 @@ def _layout(t):
     return 'channels_last' if t.is_contiguous(memory_format=torch.channels_last) else 'strided'
 
 
-def record_step(recorder, factory, setting, hw):
+def record_step(recorder, factory, setting, hw, n=N):
     """Records one training step (forward, then backward by ``torch.autograd.grad``: the layer's own work,
-    no accumulation into a leaf's .grad) and one eval forward of a fresh layer on x (2, 256, H, W) in
+    no accumulation into a leaf's .grad) and one eval forward of a fresh layer on x (n, 256, H, W) in
     ``setting`` (a key of DTYPES or EXTRA). Returns {phase: {'launches', 'aten'}, 'x_bytes', layouts}."""
     dtype = DTYPES.get(setting) or EXTRA[setting]
     autocast = setting.endswith('autocast')
@@ -170,7 +178,7 @@ def record_step(recorder, factory, setting, hw):
     layer = layer.to(torch.float32 if autocast else dtype).train()
     params = [p for p in layer.parameters() if p.requires_grad]
     fmt = torch.channels_last if setting.endswith('channels_last') else torch.contiguous_format
-    x = torch.empty((N, CHANNELS) + hw, dtype=dtype, memory_format=fmt).requires_grad_(True)  # never read
+    x = torch.empty((n, CHANNELS) + hw, dtype=dtype, memory_format=fmt).requires_grad_(True)  # never read
     out = dict(x_bytes=x.numel() * x.element_size(), x_layout=_layout(x))
     ctx = (lambda: torch.autocast('cpu', dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
     # the engine keeps x's dtype under autocast too, on every device (StatNorm2d's dtype policy)

@@ -64,11 +64,11 @@ def record(settings, cases, levels, recorder):
             for case in cases:
                 # once per process costs (GN+PN's proxy quantiles, cached per dtype) are not a step's: warm up
                 start = len(recorder.launches)
-                R.record_step(recorder, factories[case], setting, R.LEVELS[levels[0]])
+                R.record_step(recorder, factories[case], setting, R.LEVELS[levels[0]], R.batch(levels[0]))
                 del recorder.launches[start:]
                 for level in levels:
                     steps[(case, setting, level)] = R.record_step(recorder, factories[case], setting,
-                                                                  R.LEVELS[level])
+                                                                  R.LEVELS[level], R.batch(level))
     return steps
 
 
@@ -213,6 +213,7 @@ def build(settings=None, cases=None, levels=None, arch=90):
     report = dict(
         settings=dict(arch=f'sm_{arch}', triton=triton.__version__, torch=torch.__version__, n=R.N,
                       channels=R.CHANNELS, groups=R.GROUPS, levels={lv: R.LEVELS[lv] for lv in levels},
+                      batch={lv: R.batch(lv) for lv in levels},
                       settings=settings, cases=cases),
         timing=dict(record_s=round(t1 - t0, 1), compile_s=round(t2 - t1, 1), steps=len(steps),
                     launches_recorded=len(recorder.launches), variants=len(variants),
@@ -253,11 +254,15 @@ def _elems(e, kind):
 def markdown(report):
     t, s = report['timing'], report['settings']
     per_level = ', '.join(f'{k} {n}' for k, n in t['variants_per_level'].items())
-    lines = [f"sm_90 report: {s['n']} x {s['channels']} channels ({s['groups']} groups where grouped), FPN levels "
-             f"{', '.join(f'{k} {h}x{w}' for k, (h, w) in s['levels'].items())}; triton {s['triton']}, torch "
+    batch = s.get('batch', {})
+    levels = ', '.join(f'{k} {h}x{w}' + (f' ({batch[k]} images)' if batch.get(k, s['n']) != s['n'] else '')
+                       for k, (h, w) in s['levels'].items())
+    lines = [f"sm_90 report: {s['n']} x {s['channels']} channels ({s['groups']} groups where grouped), levels "
+             f"{levels}; triton {s['triton']}, torch "
              f"{s['torch']}. {t['steps']} steps recorded ({t['launches_recorded']} launches), {t['variants']} "
              f"distinct variants compiled (per level: {per_level}: "
-             f"the sizes are do_not_specialize, so the levels share them).", '',
+             f"the sizes are do_not_specialize, so the FPN levels share them; a classification batch takes "
+             f"its own tiles of samples and dx's second stage).", '',
              '| check | violations | first |', '|---|---|---|']
     for name, what in CHECKS.items():
         found = report['violations'][name]
