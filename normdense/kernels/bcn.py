@@ -281,10 +281,10 @@ def _blocks(n: int, c: int, num_groups: int, vjp: bool = False):
     else:
         block_g = min(triton.next_power_of_2(num_groups), max(1, _CHANNELS // block_p))
     block_n = min(triton.next_power_of_2(n), max(1, _TILE // (block_g * block_p)))
-    if chunked:  # N = 1 too: ptxas spilled a few bytes of the chunked VJP at [1, 1, 256] (float32, 4 warps)
-        block_n = max(2, block_n)
-    elif vjp:
+    if vjp and not chunked:
         block_n, block_g = spread(n, num_groups, block_n, block_g, block_p, _TILE)
+    if chunked or (vjp and block_p >= CHUNK):  # N = 1 too: ptxas spilled a few bytes of the VJP at [1, 1, 256]
+        block_n = max(2, block_n)  # (float32, 4 warps), chunked or one group of 256
     num_warps = max(1, min(8, block_n * block_g * block_p // 64))
     return per, chunked, block_n, block_g, block_p, num_warps
 

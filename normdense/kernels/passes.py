@@ -190,7 +190,7 @@ def dx(x3, dy, m, v, coeffs, dm, dv, gsum, act=None, batch=None, finish=None):
     if batch is not None and bsplit > 1 and dvar.stride(0) != bstride:
         raise ValueError('passes.dx: dmean and dvar partials must share their row stride')
     src, dst, fin_p, fin_sb, fin_stride = finish.dx_args() if finish is not None else (m, m, 0, 1, 0)
-    if fin_p > plan['grid'][0] * FINISH_BLOCK:  # too few programs to take a block of columns each: torch sums
+    if fin_p > plan['grid'][0] * FINISH_BLOCK.value:  # too few programs to take a block of columns each: torch sums
         finish.finish()
         src, dst, fin_p, fin_sb, fin_stride = finish.dx_args()
     _dx_kernel[plan['grid']](x3, dy, out, m, v, a, b, k, dm, dv, gsum, mean, dmean, dvar, src, dst, c, length,

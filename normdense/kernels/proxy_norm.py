@@ -37,10 +37,16 @@ __all__ = ['coeff_map', 'coeff_vjp']
 
 _CHANNELS = 64  # channels per program (whole groups), when the groups are smaller
 _TILE = 512  # elements of a [BLOCK_N, BLOCK_G, BLOCK_P] tile of the GN stage
-# elements of a [groups, channels, samples] tile of the proxy (8 warps); the float64 map's: 256 (larger ones
-# spilled registers around its division at 256 images, ptxas -v on sm_90; the VJP's did with 256)
-_PROXY_TILE = 1024
-_PROXY_TILE_MAP64 = 256
+_PROXY_TILE = 1024  # elements of a [groups, channels, samples] tile of the proxy (8 warps)
+
+
+def _proxy_tile(dtype, vjp: bool, chunked: bool) -> int:
+    """The proxy tile's elements: 1024, but where 1024 spilled registers on sm_90 (ptxas -v) the size that did
+    not: the float64 map 256 (at 256 images), the chunked VJP (a group of 256+ channels) 512 in float64 and
+    2048 in float32 (with mish and gelu)."""
+    if vjp and chunked:
+        return 512 if dtype == torch.float64 else 2048
+    return 256 if dtype == torch.float64 and not vjp else _PROXY_TILE
 CHUNK = 256  # a group of more channels is walked in chunks of this many (module-level: the tests lower it)
 
 
@@ -59,8 +65,7 @@ def _blocks(n: int, groups: int, per: int, samples: int, vjp: bool = False, dtyp
         bn = max(2, bn)
     elif vjp:
         bn, bg = spread(n, groups, bn, bg, bp, _TILE)
-    tile = _PROXY_TILE_MAP64 if dtype == torch.float64 and not vjp else _PROXY_TILE
-    bs = max(1, min(triton.next_power_of_2(samples), tile // (bg * bp)))
+    bs = max(1, min(triton.next_power_of_2(samples), _proxy_tile(dtype, vjp, chunked) // (bg * bp)))
     # a VJP tile shrunk for sample blocks (blocks.spread): 4 warps (8 spilled float64 registers at [64, 2, 1])
     shrunk = vjp and bn * bg * bp < _TILE and triton.cdiv(n, bn) > 1
     return chunked, bn, bg, bp, bs, 4 if shrunk else 8

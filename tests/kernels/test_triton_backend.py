@@ -336,3 +336,19 @@ def test_large_batch_sums_in_sample_blocks(device, name, monkeypatch):
         layer(x).backward(dy)
     for (name_t, p_t), p_a in zip(tri.named_parameters(), aten.parameters()):
         torch.testing.assert_close(p_t.grad, p_a.grad, rtol=1e-10, atol=1e-10, msg=name_t)
+
+
+def test_large_batch_sums_without_enough_dx_programs(device, monkeypatch):
+    """dx whose programs cannot take a block of the partials' columns each (forced here: blocks of 0 columns)
+    leaves the second stage to torch: the same gradients as ATen."""
+    import triton.language as tl
+    from normdense.kernels import bcn
+    monkeypatch.setattr(bcn, '_TILE', 32)
+    monkeypatch.setattr(P, 'FINISH_BLOCK', tl.constexpr(0))
+    tri, aten = pair('bcn-batch', device=device)
+    torch.manual_seed(5)
+    x = (torch.randn(24, C, 2, 1, dtype=torch.float64) * 2 + 1).to(device)
+    with count_launches() as n:
+        got = run(tri, [x])
+    assert '_dx_kernel' in n['names']
+    assert_same(got, run(aten, [x]))
