@@ -26,7 +26,8 @@ from normdense.layers.proxy_norm import GroupProxyNorm
 from normdense.layers.unitization import Unitization2d
 
 LEVELS = {'P2': (2, 256, 200, 304), 'P3': (2, 256, 100, 152), 'P4': (2, 256, 50, 76), 'P5': (2, 256, 25, 38),
-          'P6': (2, 256, 13, 19), 'P7': (2, 256, 7, 10)}
+          'P6': (2, 256, 13, 19), 'P7': (2, 256, 7, 10),
+          'N256': (256, 256, 7, 7)}  # a classification batch: the VJPs' sample blocks and dx's second stage
 DTYPES = {'fp32': torch.float32, 'fp16': torch.float16, 'bf16': torch.bfloat16}
 LAYERS = {
     'BCN-estimate': lambda backend: BatchChannelNorm2d(256, 32, mode='estimate', update_rate=0.1, backend=backend),
