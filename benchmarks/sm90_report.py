@@ -1,8 +1,9 @@
 """The sm_90 (H100) hardware report of the StatNorm layers' Triton kernels, built on a machine without a GPU:
-every kernel variant a training and an eval step launch at the FPN shapes P2-P7 (2 x 256 channels; bf16,
-fp16, fp32, fp64, bf16 autocast, channels_last), compiled with Triton's launch-time specialization; per
-variant the width of its activation loads/stores, registers, spills and fp64 approximations; per step the
-launches and activation bytes. Writes <out-dir>/sm90_report.{json,md}. Run without TRITON_INTERPRET.
+every kernel variant a training and an eval step launch at the FPN shapes P2-P7 (2 x 256 channels) and a
+classification batch N256 (256 x 256 channels at 7x7; bf16, fp16, fp32, fp64, bf16 autocast, channels_last),
+compiled with Triton's launch-time specialization; per variant the width of its activation loads/stores,
+registers, spills and fp64 approximations; per step the launches and activation bytes. Writes
+<out-dir>/sm90_report.{json,md}. Run without TRITON_INTERPRET.
 
     python benchmarks/sm90_report.py [--out-dir benchmarks/results] [--settings bf16 fp32 ...] [--levels P2 P7]
 

@@ -2,8 +2,8 @@
 is its command line; tests/kernels/test_sm90_report.py runs it in CI and fails on its violations).
 
 1. Record (tests/kernels/sm90_record.py): for every layer case, setting (bf16, fp16, fp32, fp64, bf16 under
-   autocast, channels_last) and FPN level P2-P7 at 2 x 256 channels, one training step and one eval forward,
-   each launch specialized by Triton's own launcher code for sm_90.
+   autocast, channels_last) and level (FPN P2-P7 at 2 x 256 channels, N256: 256 images at 7x7), one training
+   step and one eval forward, each launch specialized by Triton's own launcher code for sm_90.
 2. Compile (tests/kernels/sm90_compile.py): each distinct variant once (the sizes are do_not_specialize, so
    the levels share variants), reading from its TTIR and PTX which pointer arguments it streams over and how
    wide its accesses are, registers and spills from ptxas, fp64 approximations.
