@@ -31,7 +31,6 @@ from .first_stage import _stats_kernel, stats  # noqa: F401  (the first stage: i
 from .passes_bwd import _dx_kernel, _merge_kernel, _sums_kernel
 from .passes_fwd import _apply_kernel, _moments_kernel
 from .passes_tiles import cl_blocks, vector_width
-from .second_stage import FINISH_BLOCK
 from .scalars import hi_lo
 
 ACT_NONE = -1  # y = A t + B, no activation
@@ -186,18 +185,12 @@ def dx(x3, dy, m, v, coeffs, dm, dv, gsum, act=None, batch=None, finish=None):
     k = coeffs[2] if act_id >= 0 else a
     mean, dmean, dvar, scale = batch if batch is not None else (m, m, m, 0.0)
     gsplit, gstride = (gsum.shape[0], gsum.stride(0)) if gsum.dim() == 3 else (1, 0)
+    # dmean, dvar: the rows of one BlockSums buffer (one stride) at large N
     bsplit, bstride = (dmean.shape[0], dmean.stride(0)) if batch is not None and dmean.dim() == 2 else (1, 0)
-    if batch is not None and bsplit > 1 and dvar.stride(0) != bstride:
-        raise ValueError('passes.dx: dmean and dvar partials must share their row stride')
-    src, dst, fin_p, fin_sb, fin_stride = finish.dx_args() if finish is not None else (m, m, 0, 1, 0)
-    if fin_p > plan['grid'][0] * FINISH_BLOCK.value:  # too few programs to take a block of columns each: torch sums
-        finish.finish()
-        src, dst, fin_p, fin_sb, fin_stride = finish.dx_args()
+    src, dst, fin_p, fin_sb, fin_stride = finish.dx_args(plan['grid'][0]) if finish is not None else (m, m, 0, 1, 0)
     _dx_kernel[plan['grid']](x3, dy, out, m, v, a, b, k, dm, dv, gsum, mean, dmean, dvar, src, dst, c, length,
                              plan['CHUNK'], gsplit, gstride, bsplit, bstride, fin_p, fin_sb, fin_stride,
                              *hi_lo(scale), *hi_lo(p0), *hi_lo(p1), ACT=act_id,
                              BATCH=batch is not None, BLOCK=plan['BLOCK'], BLOCK_C=plan['BLOCK_C'], V=plan['V'],
                              SMALL=plan['SMALL'], CL=plan['CL'], ACC=acc_dtype(x3.dtype), FINISH=fin_p > 0)
-    if finish is not None:
-        finish.done = True  # summed by this launch
     return out

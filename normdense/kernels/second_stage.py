@@ -77,17 +77,22 @@ class BlockSums:
             self.done = True
         return self.stats
 
-    def dx_args(self):
-        """(part, out, columns, SB, row stride) of :func:`finish` in dx; columns 0 when nothing is left."""
+    def dx_args(self, programs: int):
+        """(part, out, columns, SB, row stride) of :func:`finish` for a dx launch of ``programs`` programs, which
+        then holds the sums (columns 0: nothing left to sum). Programs too few to take FINISH_BLOCK columns
+        each: torch sums them here first."""
+        if not self.done and self.size > programs * FINISH_BLOCK.value:
+            self.finish()
         if self.done:
             return self.slots[0], self.slots[0], 0, 1, 0
+        self.done = True  # summed by the dx launch these arguments go to
         return self.part, self.out, self.size, self.blocks, self.stride
 
 
 @triton.jit
 def finish(src_ptr, dst_ptr, P, SB, STRIDE, pid, BLOCK: tl.constexpr):
     """dst[j] = sum over b < SB of src[b * STRIDE + j], in block order, for the BLOCK columns j < P of program
-    pid: the second stage, in dx's launch (``passes.dx`` checks that its programs cover P)."""
+    pid: the second stage, in dx's launch (whose programs cover P: ``BlockSums.dx_args``)."""
     j = pid * BLOCK + tl.arange(0, BLOCK)
     mask = j < P
     tl.store(dst_ptr + j, split_sum(src_ptr, j, mask, SB, STRIDE, src_ptr.dtype.element_ty), mask=mask)

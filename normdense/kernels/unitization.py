@@ -183,6 +183,7 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, rs_ptr, alpha_ptr, w_ptr, p_ptr, g
         tl.store(db_ptr + cols, db, mask=cmask)
     if WANTS_STATS:
         tl.store(dmean_ptr + cols, dmean, mask=cmask)
+        # the channels' rs again (cols shifted back; written this way ptxas spilled less, -v on sm_90)
         rs = tl.load(rs_ptr + cols - tl.program_id(1) * PSTRIDE, mask=cmask, other=0.0)
         rs2 = rs * rs
         g_rs = g_scale_sum + 2.0 * rs * ds_e_sum
@@ -205,8 +206,8 @@ def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None,
 
     ``count`` (an int) marks batch statistics (its variance factor applies), None fixed ones (estimate mode,
     eval). ``res`` holds the inputs, p, rs = 1 / sqrt(f var + eps) (C,) and the scalars: the VJP recomputes
-    the rest. ``first``: the engine's
-    planned first stage (``first_stage.FirstStage``, whose outputs m, v, mean, var are): run in this launch.
+    the rest. ``first``: the engine's planned first stage (``first_stage.FirstStage``, whose outputs m, v,
+    mean, var are): run in this launch.
     """
     alpha, w, b = params
     N, C = m.shape

@@ -342,9 +342,9 @@ def test_large_batch_sums_without_enough_dx_programs(device, monkeypatch):
     """dx whose programs cannot take a block of the partials' columns each (forced here: blocks of 0 columns)
     leaves the second stage to torch: the same gradients as ATen."""
     import triton.language as tl
-    from normdense.kernels import bcn
+    from normdense.kernels import bcn, second_stage
     monkeypatch.setattr(bcn, '_TILE', 32)
-    monkeypatch.setattr(P, 'FINISH_BLOCK', tl.constexpr(0))
+    monkeypatch.setattr(second_stage, 'FINISH_BLOCK', tl.constexpr(0))
     tri, aten = pair('bcn-batch', device=device)
     torch.manual_seed(5)
     x = (torch.randn(24, C, 2, 1, dtype=torch.float64) * 2 + 1).to(device)
