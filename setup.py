@@ -45,6 +45,8 @@ EXTRAS = {
     # mmseg 1.2.x imports ftfy and regex without declaring them
     'seg': ['mmsegmentation>=1.2.0,<2.0.0', 'ftfy', 'regex'],
     'pretrain': ['mmpretrain>=1.2.0,<2.0.0'],
+    # ONNX export and its ONNX Runtime check (tools/deploy.py --onnx); onnxscript: torch's dynamo exporter
+    'deploy': read_requirements('requirements/deploy.txt'),
 }
 EXTRAS['all'] = sorted({req for reqs in EXTRAS.values() for req in reqs})
 EXTRAS['tests'] = read_requirements('requirements/tests.txt')

@@ -32,6 +32,10 @@ class SetupError(UserFixable, ImportError):
     """Something the environment lacks (one-line message naming the install that fixes it)."""
 
 
+class ExportError(UserFixable, RuntimeError):
+    """A model that cannot be exported as it is (training mode, an output that is not a tensor)."""
+
+
 class MmcvOpsError(SetupError):
     """mmcv's compiled ops are missing (mmcv-lite) or do not load/run under the installed torch."""
 

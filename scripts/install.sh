@@ -98,6 +98,9 @@ fi
 step "OpenMMLab stack (requirements/runtime.txt)" "pip must reach PyPI; see the pip error above"
 "${PIP[@]}" -r requirements/runtime.txt
 
+step "ONNX export: the [deploy] extra (requirements/deploy.txt)" "pip must reach PyPI for onnx, onnxruntime, onnxscript"
+"${PIP[@]}" -q -r requirements/deploy.txt
+
 step "test tools (requirements/tests.txt)" "pip must reach PyPI"
 "${PIP[@]}" -q -r requirements/tests.txt
 

@@ -1,9 +1,18 @@
-"""Fold a trained normdense model for inference: build it from CONFIG (through the registry of the
-config's default_scope), load CHECKPOINT, fuse (normdense.deploy.fuse) and save the fused weights to OUT.
-WSConv2d layers fold with the WS formula saved in CHECKPOINT (the trained one), whatever CONFIG says.
+"""Fold a trained normdense model for inference and/or export it to ONNX.
 
-Load the result with ``normdense.deploy.load_fused(CONFIG, OUT)`` (it rebuilds the fused structure from
-the config and loads the weights strictly; the file loads with torch.load(weights_only=True)).
+Builds the model from CONFIG (through the registry of the config's default_scope), loads CHECKPOINT strictly,
+fuses it (normdense.deploy.fuse: WS, BCN, GN+PN, IterNorm, Unitization, EquiNorm become plain torch.nn modules),
+then:
+
+* OUT: saves the fused weights; ``normdense.deploy.load_fused(CONFIG, OUT)`` rebuilds the fused model from the
+  config and loads them strictly (the file loads with torch.load(weights_only=True));
+* ``--onnx OUT.onnx``: exports the fused model (``--no-fuse``: as trained) with torch's TorchScript exporter at
+  ``--opset`` (``--dynamo``: the dynamo exporter), runs ONNX Runtime on a sample image and prints the largest
+  difference from PyTorch. Segmentors export image -> logits at the input size; detectors image -> the neck's
+  features and the RPN's / dense head's raw outputs (the RoI heads and NMS go through mmdeploy:
+  docs/deploy.md); classifiers image -> logits.
+
+WSConv2d layers fold with the WS formula saved in CHECKPOINT (the trained one), whatever CONFIG says.
 """
 import argparse
 import os
@@ -16,12 +25,25 @@ from normdense.errors import run_tool  # noqa: E402
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description='Fuse normdense layers of a trained model for inference')
+    parser = argparse.ArgumentParser(description='Fuse normdense layers of a trained model for inference, '
+                                                 'and export it to ONNX')
     parser.add_argument('config', help='model config file (mmdet / mmseg / mmpretrain)')
     parser.add_argument('checkpoint', help='trained checkpoint (state_dict or mmengine Runner checkpoint)')
-    parser.add_argument('out', help='where to write the fused weights')
+    parser.add_argument('out', nargs='?', help='where to write the fused weights (optional with --onnx)')
+    parser.add_argument('--onnx', metavar='OUT.onnx', help='export to this ONNX file and check it in ONNX Runtime')
+    parser.add_argument('--opset', type=int, default=17,
+                        help='ONNX opset of the TorchScript exporter (default 17; mmdeploy uses 11)')
+    parser.add_argument('--dynamo', action='store_true', help="torch's dynamo exporter (needs onnxscript)")
+    parser.add_argument('--no-fuse', action='store_true', help='export the model as trained, not fused')
+    parser.add_argument('--shape', type=int, nargs=2, metavar=('H', 'W'),
+                        help="sample image size (default: the config's crop size or test Resize, else 512 x 512)")
     parser.add_argument('--cfg-options', nargs='+', action=DictAction, help='override config settings (k=v)')
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.out is None and args.onnx is None:
+        parser.error('give OUT (fused weights), --onnx OUT.onnx, or both')
+    if args.no_fuse and args.out is not None:
+        parser.error('--no-fuse applies to --onnx only: OUT holds fused weights')
+    return args
 
 
 def main(argv=None):
@@ -33,15 +55,32 @@ def main(argv=None):
     cfg = read_config(args.config)  # a missing codebase / pkg_resources: one line
     if args.cfg_options:
         cfg.merge_from_dict(args.cfg_options)
+    if args.onnx:  # before the model is built: a missing extra is one line, at once
+        from normdense.deploy.onnx import require
+        require('onnx', 'onnxruntime', *(('onnxscript', ) if args.dynamo else ()))
     model = build_model_from_config(cfg)
     load_checkpoint(model, args.checkpoint, map_location='cpu', strict=True)
     model.eval()
-    stats = {}
-    fuse(model, stats=stats)
-    save_fused(model, args.out, meta=dict(config=os.path.abspath(args.config),
-                                          checkpoint=os.path.abspath(args.checkpoint), **stats))
-    print(f'fused {stats["folded"]} conv->norm pairs, made {stats["convs"]} convs plain, replaced '
-          f'{stats["standalone"]} norms without a conv; wrote {args.out}')
+    if not args.no_fuse:
+        stats = {}
+        fuse(model, stats=stats)
+        print(f'fused {stats["folded"]} conv->norm pairs, made {stats["convs"]} convs plain, replaced '
+              f'{stats["standalone"]} norms without a conv')
+    if args.out:
+        save_fused(model, args.out, meta=dict(config=os.path.abspath(args.config),
+                                              checkpoint=os.path.abspath(args.checkpoint), **stats))
+        print(f'wrote the fused weights to {args.out}')
+    if args.onnx:
+        from normdense.deploy.onnx import export_trained, sample_size
+        size = tuple(args.shape) if args.shape else sample_size(cfg)
+        exporter = 'dynamo' if args.dynamo else f'TorchScript exporter, opset {args.opset}'
+        report = export_trained(model, args.onnx, size, opset=None if args.dynamo else args.opset,
+                                dynamo=args.dynamo)
+        outputs = ', '.join(f'{k} {list(v)}' for k, v in report['outputs'].items())
+        print(f'exported the {"trained" if args.no_fuse else "fused"} {report["kind"]} ({exporter}) to {args.onnx}: '
+              f'input {list(report["input"])} -> {outputs}')
+        print(f'ONNX Runtime vs PyTorch: largest difference {report["difference"]:.2e} (relative to each '
+              f'output\'s largest value)')
 
 
 if __name__ == '__main__':

@@ -25,8 +25,12 @@ is constant at inference:
 * The same layers without an adjacent conv become a single per-channel affine (``ChannelAffine``) or,
   for IterNorm, ``ChannelLinear`` (a 1x1 conv / matrix on dim 1); BCN becomes ``nn.Sequential(
   ChannelAffine, GroupNorm)`` and Unitization ``UnitizationStage2`` with its stage 1 as an input affine.
-* ``GroupProxyNorm`` (GN+PN) is left as is: it is already batch independent, its proxy statistics
-  depend only on parameters, and its GN stage is per sample.
+* ``GroupProxyNorm`` (GN+PN): its proxy statistics depend only on parameters, so at inference they are
+  constants: it becomes ``nn.Sequential(nn.GroupNorm, phi, ChannelAffine)``: the GN stage with gamma, beta
+  as nn.GroupNorm's affine, phi as its torch.nn module, and the proxy normalization as the per-channel
+  affine ``K phi + L``, K = 1 / sqrt(Var_proxy + eps_pn) (1 without proxy scaling), L = -E_proxy K. Nothing
+  folds into a neighbouring conv: the GN stage is per sample, and the affine after phi would move the
+  zero padding of a following conv.
 
 All folding arithmetic runs in float64 and is cast back to the conv's dtype. A fused model is for
 inference: ``fuse`` raises if the model is in training mode, and fused modules do not train like the
@@ -40,7 +44,9 @@ import torch.nn.functional as F
 
 from ..layers.bcn import BatchChannelNorm2d
 from ..layers.equinorm import ChannelAffine, EquiConv2d
+from ..layers._activations import activation_module
 from ..layers.iternorm import IterNorm
+from ..layers.proxy_norm import GroupProxyNorm
 from ..layers.unitization import Unitization2d
 from ..layers.unitization import _divisor as unitization_divisor
 from ..layers.ws import WSConv2d
@@ -186,6 +192,23 @@ def _standalone(norm: nn.Module) -> nn.Module:
     return nn.Sequential(aff, rest)
 
 
+def _proxy_norm_modules(pn: GroupProxyNorm) -> nn.Sequential:
+    """GN+PN at inference (module docstring): GroupNorm with gamma, beta, then phi, then K phi + L."""
+    with torch.no_grad():
+        mean, var = pn.proxy_statistics(torch.float64)
+        k = torch.rsqrt(var + pn.proxy_eps) if pn.proxy_scaling else torch.ones_like(var)
+    dtype, device = pn.weight.dtype, pn.weight.device
+    gn = nn.GroupNorm(pn.num_groups, pn.num_channels, eps=pn.eps, affine=True, device=device, dtype=dtype)
+    with torch.device(device):
+        proxy = ChannelAffine(pn.num_channels).to(dtype)
+    with torch.no_grad():
+        gn.weight.copy_(pn.weight)
+        gn.bias.copy_(pn.bias)
+        proxy.weight.copy_(k)
+        proxy.bias.copy_(-mean * k)
+    return nn.Sequential(gn, activation_module(pn.act, pn.act_kwargs), proxy).train(False)
+
+
 def _param_like(m: nn.Module):
     for t in list(m.parameters()) + list(m.buffers()):
         if t.is_floating_point():
@@ -316,6 +339,9 @@ def _fuse_module(module: nn.Module, stats: dict) -> None:
             new.train(False)
             setattr(module, name, new)
             stats['standalone'] += 1
+        elif isinstance(child, GroupProxyNorm):
+            setattr(module, name, _proxy_norm_modules(child))
+            stats['standalone'] += 1
         else:
             _fuse_module(child, stats)
 
@@ -335,6 +361,9 @@ def fuse(model: nn.Module, verbose: bool = False, stats: Optional[dict] = None) 
     elif isinstance(model, _NORMS):
         model = _standalone(model)
         model.train(False)
+        stats['standalone'] += 1
+    elif isinstance(model, GroupProxyNorm):
+        model = _proxy_norm_modules(model)
         stats['standalone'] += 1
     else:
         _fuse_module(model, stats)

@@ -5,9 +5,10 @@ import functools
 from typing import Dict, Tuple, Union
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ['PROXY_NORM_ACTIVATIONS', 'resolve_activation', 'activation', 'Activation']
+__all__ = ['PROXY_NORM_ACTIVATIONS', 'ACTIVATION_MODULES', 'activation_module', 'resolve_activation', 'activation', 'Activation']
 
 # canonical name -> (function, default keyword arguments it accepts)
 PROXY_NORM_ACTIVATIONS: Dict[str, Tuple[object, dict]] = {
@@ -25,6 +26,13 @@ PROXY_NORM_ACTIVATIONS: Dict[str, Tuple[object, dict]] = {
     'sigmoid': (torch.sigmoid, {}),
     'tanh': (torch.tanh, {}),
 }
+# the torch.nn module of each (same keyword arguments): phi in a fused GN+PN (normdense.deploy.fuse)
+ACTIVATION_MODULES = {
+    'relu': 'ReLU', 'relu6': 'ReLU6', 'leaky_relu': 'LeakyReLU', 'elu': 'ELU', 'celu': 'CELU', 'selu': 'SELU',
+    'gelu': 'GELU', 'silu': 'SiLU', 'mish': 'Mish', 'softplus': 'Softplus', 'hardswish': 'Hardswish',
+    'sigmoid': 'Sigmoid', 'tanh': 'Tanh',
+}
+assert set(ACTIVATION_MODULES) == set(PROXY_NORM_ACTIVATIONS)
 # Names are matched case-insensitively with '_'/'-' removed, so mmcv-style 'ReLU', 'LeakyReLU',
 # 'GELU', 'SiLU', 'Swish', 'HSwish' all resolve.
 _ACT_ALIASES = {
@@ -111,3 +119,8 @@ def _activation(name, items):
 def activation(name: str, kwargs: dict) -> Activation:
     """The :class:`Activation` of a resolved (name, kwargs): the same object for equal configurations."""
     return _activation(name, tuple(sorted(kwargs.items())))
+
+
+def activation_module(name: str, kwargs: dict) -> nn.Module:
+    """phi of a resolved (name, kwargs) as its torch.nn module (``nn.GELU(approximate='tanh')``, ...)."""
+    return getattr(nn, ACTIVATION_MODULES[name])(**kwargs)

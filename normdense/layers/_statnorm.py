@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..errors import ExportError
 from ..kernels import backend as _backend
 from ..kernels.aten import STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, AtenBackend, tracked
 from ..kernels.backend import check_backend, selected_backend
@@ -129,6 +130,15 @@ class StatNorm2d(nn.Module):
         return ('' if self.fused else ', fused=False') + (f', backend={self.backend!r}' if self.backend else '')
 
     # --- forward --------------------------------------------------------------------------------------------
+    def _export_form(self, x: torch.Tensor) -> torch.Tensor:
+        """The output while the model is exported (``_utils.exporting``): the layer's ``_eval_form(x)``, eval
+        mode's output as a short composition of standard ops that ONNX translates. Training-mode export of a
+        layer with a first stage is refused: a recorded graph cannot move statistics or estimates."""
+        if self.training and self._FIRST_STAGE:
+            raise ExportError(f'{type(self).__name__} exports in eval mode only (its training statistics and '
+                               f'estimate updates cannot be recorded): call model.eval() before exporting')
+        return self._eval_form(x)
+
     def _statnorm_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's output on a non-empty x (N, C, *positions)."""
         if torch.compiler.is_compiling():  # one opaque operator for the compiler

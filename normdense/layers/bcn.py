@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from ._estimate import EstimateRateMixin, in_backward
 from ._estimate import world_size as _world_size
 from ._statnorm import StatNorm2d, check_group_values
-from ._utils import standardization_affine
+from ._utils import exporting, standardization_affine
 from .groups import group_policy, resolve_groups
 
 BCN_MODES = ('batch', 'estimate')
@@ -253,12 +253,21 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
         if x.dim() != 4:
             raise ValueError(f'BatchChannelNorm2d expects (N, C, H, W) or (N, C, L) input, got shape {tuple(x.shape)}')
         check_group_values(x, self.num_channels, self.num_groups, 'BatchChannelNorm2d')
+        if exporting():
+            return self._export_form(x)
         if self.fused and self._fusable(x):
             y = self._statnorm_forward(x)
         else:
             # the engine's dtype policy (StatNorm2d): under CUDA autocast F.group_norm returns float32
             y = self._channel_stage(self._batch_stage(x), self.weight, self.bias).to(x.dtype)
         return self._watch(y)
+
+    def _eval_form(self, x):
+        """The eval output in standard ops (ONNX export): Eq. 40 with the running statistics or estimates as one
+        per-channel affine, then Eq. 42 as ``F.group_norm``."""
+        u = self._affine(self.compute_input(x), self.running_mean, self.running_var, self.batch_weight,
+                         self.batch_bias)
+        return self._channel_stage(u, self.weight, self.bias).to(x.dtype)
 
     def _fusable(self, x) -> bool:
         # no positions or samples, or batch statistics of one value: the reference path has the answer

@@ -31,6 +31,7 @@ No mmcv/mmengine imports here: registration happens in ``normdense/registry.py``
 """
 import functools
 import math
+import statistics
 from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from ._activations import PROXY_NORM_ACTIVATIONS, activation
 from ._activations import resolve_activation as _resolve_activation
 from ._statnorm import StatNorm2d, check_group_values
+from ._utils import exporting
 from .groups import group_policy, resolve_groups
 
 __all__ = ['GroupProxyNorm', 'proxy_quantiles', 'PROXY_NORM_ACTIVATIONS']
@@ -62,6 +64,14 @@ def _cached_quantiles(num_samples: int, dtype: torch.dtype, device: torch.device
     # backward by a later training forward
     with torch.inference_mode(False):
         return proxy_quantiles(num_samples, dtype, device)
+
+
+@functools.lru_cache(maxsize=16)
+def _quantile_values(num_samples: int) -> Tuple[float, ...]:
+    # the quantiles as Python floats (the same values to ~1e-16): a constant in an exported graph, where
+    # torch's erfinv has no ONNX operator and a cached tensor could be a tracer's fake one
+    nd = statistics.NormalDist()
+    return tuple(nd.inv_cdf((i + 0.5) / num_samples) for i in range(num_samples))
 
 
 class PNConfig(NamedTuple):
@@ -266,7 +276,10 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
         return self._proxy_moments(self.weight, self.bias, self.proxy_beta, self.proxy_gamma, dtype)
 
     def _proxy_moments(self, weight, bias, proxy_beta, proxy_gamma, dtype):
-        q = _cached_quantiles(self.num_samples, dtype, weight.device)  # (n,)
+        if exporting():
+            q = torch.tensor(_quantile_values(self.num_samples), dtype=dtype, device=weight.device)
+        else:
+            q = _cached_quantiles(self.num_samples, dtype, weight.device)  # (n,)
         gamma = weight.to(dtype)[:, None]
         beta = bias.to(dtype)[:, None]
         if self.proxy_affine:
@@ -283,11 +296,18 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
             raise ValueError(f'GNPN expects input (N, {self.num_channels}, ...), '
                              f'got shape {tuple(x.shape)}')
         check_group_values(x, self.num_channels, self.num_groups, 'GNPN')
+        if exporting():
+            return self._export_form(x)
         if self.fused and x.numel() > 0:
             return self._statnorm_forward(x)
         return self._eq7(x, self.stat_dtype(x, self.weight), self.weight, self.bias, self.proxy_beta, self.proxy_gamma)
 
     _FIRST_STAGE = False
+
+    def _eval_form(self, x: torch.Tensor) -> torch.Tensor:
+        """The output in standard ops (ONNX export; the same in train and eval mode): the reference Eq. 7."""
+        return self._eq7(x, self.stat_dtype(x, self.weight), self.weight, self.bias, self.proxy_beta,
+                         self.proxy_gamma)
 
     def _statnorm_params(self):
         return self.weight, self.bias, self.proxy_beta, self.proxy_gamma

@@ -60,7 +60,7 @@ import torch.nn as nn
 
 from ._estimate import EstimateRateMixin, in_backward
 from ._statnorm import StatNorm2d
-from ._utils import affine_parameters, standardization_affine
+from ._utils import affine_parameters, exporting, standardization_affine
 
 UNITIZATION_MODES = ('batch', 'estimate')
 NORM_DIVISORS = ('hw', 'hw_squared')
@@ -220,7 +220,15 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
         if x.dim() < 2 or x.shape[1] != self.num_features:
             raise ValueError(f'Unitization2d({self.num_features}) expects (N, {self.num_features}, ...) input, '
                              f'got shape {tuple(x.shape)}')
+        if exporting():
+            return self._export_form(x)
         return self._watch(self._forward(x))
+
+    def _eval_form(self, x: torch.Tensor) -> torch.Tensor:
+        """The eval output in standard ops (ONNX export): both stages with the running statistics or estimates."""
+        xf = self.compute_input(x)
+        return self._unitize(xf, self.running_mean.to(xf.dtype), self.running_var.to(xf.dtype), self.alpha,
+                             self.weight, self.bias).to(x.dtype)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == 0:

@@ -167,15 +167,59 @@ def test_grouped_conv_then_iternorm_is_not_folded_across_groups():
     assert type(fused[0]) is nn.Conv2d and isinstance(fused[1], ChannelLinear)
 
 
-def test_single_convs_and_gnpn_untouched():
+def test_single_convs():
     torch.manual_seed(4)
     ws = WSConv2d(4, 8, 3, padding=1, formula='std_unbiased')
     fused = _check(ws, torch.randn(1, 4, 8, 8))
     assert type(fused) is nn.Conv2d
-    model = nn.Sequential(WSConv2d(4, 32, 3), GroupProxyNorm(32, num_groups=8))
+
+
+GNPN = {
+    'relu': dict(),
+    'gelu_tanh': dict(act=dict(type='GELU', approximate='tanh')),
+    'leaky_relu': dict(act=dict(type='LeakyReLU', negative_slope=0.2)),
+    'mish_no_scaling': dict(act='mish', proxy_scaling=False),
+    'silu_no_proxy_affine': dict(act='silu', proxy_affine=False),
+    'ln_pn_softplus': dict(num_groups=1, act=dict(type='Softplus', beta=2.0, threshold=5.0)),
+}
+
+
+@pytest.mark.parametrize('case', sorted(GNPN))
+def test_gnpn_becomes_group_norm_activation_affine(case):
+    """GN+PN at inference: nn.GroupNorm (gamma, beta), phi's torch.nn module, the proxy normalization as one
+    per-channel affine (constants of the parameters); equal to the eval layer, alone and in a model."""
+    torch.manual_seed(4)
+    kw = {'num_groups': 8, **GNPN[case]}
+    model = nn.Sequential(WSConv2d(4, 32, 3), GroupProxyNorm(32, **kw))
     _randomize_(model)
-    fused = _check(model, torch.randn(2, 4, 8, 8))
-    assert isinstance(fused[1], GroupProxyNorm)
+    with torch.no_grad():
+        if model[1].proxy_affine:
+            model[1].proxy_beta.uniform_(-0.5, 0.5)
+            model[1].proxy_gamma.uniform_(-0.5, 0.5)
+    x = torch.randn(2, 4, 8, 8)
+    fused = _check(model, x)
+    gn, act, proxy = fused[1]
+    assert type(gn) is nn.GroupNorm and gn.num_groups == kw['num_groups'] and type(proxy) is ChannelAffine
+    assert type(act).__module__.startswith('torch.nn')
+    assert not any(isinstance(m, GroupProxyNorm) for m in fused.modules())
+    single = _check(copy.deepcopy(model[1]), torch.randn(2, 32, 5, 5))
+    assert type(single) is nn.Sequential
+
+
+def test_gnpn_fold_is_exact_in_float64():
+    torch.manual_seed(5)
+    layer = GroupProxyNorm(16, num_groups=4, act='gelu').double()
+    _randomize_(layer)
+    with torch.no_grad():
+        layer.proxy_beta.uniform_(-0.5, 0.5)
+        layer.proxy_gamma.uniform_(-0.5, 0.5)
+    layer.eval()
+    x = torch.randn(2, 16, 6, 6, dtype=torch.float64)
+    with torch.no_grad():
+        ref = layer(x)
+        out = fuse(copy.deepcopy(layer))(x)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
 
 
 def test_fuse_refuses_training_mode():
