@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     import argparse
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--all', action='store_true',
-                        help='also fail unless mmdet, mmseg, mmpretrain and pycocotools import (make install)')
+                        help='also fail unless mmdet, mmseg, mmpretrain, pycocotools and the [deploy] extra import (make install)')
     args = parser.parse_args(argv)
     import torch
     import mmcv
@@ -139,6 +139,8 @@ def main(argv=None) -> int:
             # optional codebases (extras det / seg / pretrain)
             ('mmdet', _version('mmdet')), ('mmseg', _version('mmseg')), ('mmpretrain', _version('mmpretrain')),
             ('pycocotools', _version('pycocotools')), ('triton', _version('triton')),
+            # ONNX export (extra deploy)
+            ('onnx', _version('onnx')), ('onnxruntime', _version('onnxruntime')), ('onnxscript', _version('onnxscript')),
             ('normdense', normdense.__version__)]
     print('normdense self-check: the core stack imports')
     for name, version in rows:
