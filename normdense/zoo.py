@@ -140,9 +140,11 @@ def _feature_model(model):
 
 
 def _forward(model, x):
-    """The feature extractor (+ neck) of a detector, and the decode heads of a segmentor."""
+    """The feature extractor (+ neck) of a detector, the decode heads of a segmentor, the head of a classifier."""
     feats = _feature_model(model).extract_feat(x)
     outs = [feats]
+    if 'ImageClassifier' in {c.__name__ for c in type(model).__mro__} and getattr(model, 'head', None) is not None:
+        outs.append(model.head(feats))  # its norm slots too (a BN1d in MobileNetV3's head: (N, C) input)
     head = getattr(model, 'decode_head', None)
     if head is not None:
         if isinstance(head, torch.nn.ModuleList):  # CascadeEncoderDecoder: each head refines the previous

@@ -33,6 +33,14 @@ def test_architectures_take_every_group_norm(config):
         assert result.ok, f'{norm}: {result.line()}'
 
 
+def test_classifier_head_norm_slot_takes_n_c():
+    """mmpretrain's MobileNetV3 puts a BN1d in its head, which sees (N, C) features: the switch's BCN takes them
+    (it stopped at 'expects (N, C, H, W) or (N, C, L) input, got shape (2, 1024)'); the sweep runs the head."""
+    for norm in ('bcn-ws', 'gn-pn', 'unitization'):
+        result = try_norm('mmpretrain::mobilenet_v3/mobilenet-v3-small_8xb128_in1k.py', norm)
+        assert result.ok, f'{norm}: {result.line()}'
+
+
 def test_a_failure_is_one_line_with_its_stage(tmp_path):
     broken = tmp_path / 'broken.py'
     broken.write_text("_base_ = ['mmseg::fcn/fcn_r18-d8_4xb2-80k_cityscapes-512x1024.py']\n"

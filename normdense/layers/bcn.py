@@ -248,10 +248,12 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
         return F.group_norm(x, self.num_groups, weight, bias, self.eps)
 
     def forward(self, x):
-        if x.dim() == 3:  # (N, C, L), as nn.GroupNorm and BN1d take it (EncNet's codeword norm): an L x 1 map
-            return self.forward(x.unsqueeze(-1)).squeeze(-1)
+        if x.dim() in (2, 3):  # (N, C[, L]), as nn.GroupNorm and BN1d take it (EncNet's codeword norm, a
+            # classifier head's BN1d slot): an L x 1 (1 x 1) map
+            return self.forward(x.reshape(*x.shape, *(1, ) * (4 - x.dim()))).reshape(x.shape)
         if x.dim() != 4:
-            raise ValueError(f'BatchChannelNorm2d expects (N, C, H, W) or (N, C, L) input, got shape {tuple(x.shape)}')
+            raise ValueError(f'BatchChannelNorm2d expects (N, C, H, W), (N, C, L) or (N, C) input, got shape '
+                             f'{tuple(x.shape)}')
         check_group_values(x, self.num_channels, self.num_groups, 'BatchChannelNorm2d')
         if exporting():
             return self._export_form(x)

@@ -97,13 +97,15 @@ def test_gnpn_auto_fits_the_channels():
         GroupProxyNorm(18, num_groups=32)
 
 
+@pytest.mark.parametrize('shape', [(3, 8, 5), (3, 8)], ids=['NCL', 'NC'])
 @pytest.mark.parametrize('mode', ['batch', 'estimate'])
-def test_bcn_takes_n_c_l_inputs_as_l_by_1_maps(mode):
-    """(N, C, L) as nn.GroupNorm and BN1d take it (EncNet builds its codeword norm from the slot's norm_cfg)."""
+def test_bcn_takes_n_c_l_and_n_c_inputs_as_maps(mode, shape):
+    """(N, C, L) and (N, C) as nn.GroupNorm and BN1d take them (EncNet builds its codeword norm from the slot's
+    norm_cfg; a classifier head's BN1d slot, e.g. mmpretrain's MobileNetV3 head, gets (N, C))."""
     torch.manual_seed(0)
-    x = torch.randn(3, 8, 5, dtype=torch.float64)
+    x = torch.randn(*shape, dtype=torch.float64)
     outs = []
-    for shape in (x.shape, (3, 8, 5, 1)):
+    for shape in (x.shape, x.shape + (1, ) * (4 - x.dim())):
         layer = BatchChannelNorm2d(8, num_groups=4, mode=mode).double().train()
         set_update_rate(layer, 0.1)
         xi = x.reshape(shape).clone().requires_grad_()
