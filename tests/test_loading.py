@@ -129,7 +129,12 @@ def widen_head(sd):
     sd['head.bias'] = torch.zeros(5)
 
 
-@pytest.mark.parametrize('edit,named', [(drop_estimates, 'norm.running_mean'), (widen_head, 'head.weight')])
+def extra_tensor(sd):
+    sd['head.extra_scale'] = torch.ones(3)  # a tensor the model has no place for (another model's checkpoint)
+
+
+@pytest.mark.parametrize('edit,named', [(drop_estimates, 'norm.running_mean'), (widen_head, 'head.weight'),
+                                        (extra_tensor, 'unexpected keys 1 \\(head.extra_scale\\)')])
 def test_test_tool_refuses_incomplete_checkpoint(tmp_path, edit, named):
     path, _ = toy_checkpoint(tmp_path, edit=edit)
     with pytest.raises(CheckpointMismatchError, match=named) as err:

@@ -129,3 +129,18 @@ def test_errors_name_the_fix(net):
         convert_model(net)
     with pytest.raises(ValueError, match="'WSConv2d'"):
         convert_model(net, conv='WS')
+
+
+def test_normdense_group_norm_converts_as_nn_group_norm(net):
+    """GNAuto (normdense.layers.groups.GroupNorm, what the switch builds for 'gn') is a GroupNorm to the
+    converter, as nn.GroupNorm is: converted, its affine carried over, not left as 'not a type it replaces'."""
+    from normdense.layers.groups import GroupNorm as GNAuto
+    gn = GNAuto(32, num_groups=8).double()
+    with torch.no_grad():  # constant per group: a per-group channel stage carries it exactly
+        gn.weight.copy_(torch.arange(8, dtype=torch.float64).repeat_interleave(4) + 1)
+        gn.bias.copy_(-torch.arange(8, dtype=torch.float64).repeat_interleave(4))
+    net.block[1] = gn
+    model = convert_model(net, norm=dict(type='BCN', num_groups=8, mode='estimate'))
+    assert isinstance(model.block[1], BatchChannelNorm2d)
+    assert model.normdense_conversion.counts()[('GroupNorm', 'BatchChannelNorm2d')] == 1
+    torch.testing.assert_close(model.block[1].weight, torch.arange(8, dtype=torch.float64) + 1)

@@ -257,6 +257,19 @@ def test_partial_configs_get_no_norm_cfg_from_the_switch():
     assert cfg.model.backbone.backbone_cfg.norm_cfg.type == 'BCN'
 
 
+def test_a_bare_cfg_dict_is_left_as_written():
+    """A ResNet plugin is ``plugins=[dict(cfg=dict(type=...), ...)]``: the ResNet completes that ``cfg`` with its
+    own arguments, so the switch leaves it as written (NonLocal2d accepts a conv_cfg, which the switch would add
+    if a bare ``cfg`` key counted as a module of its own), while the ResNet itself is switched."""
+    cfg = base_config('mmdet', 'retinanet/retinanet_r50_fpn_1x_coco.py')
+    plugin = dict(type='NonLocal2d', sub_sample=True)
+    cfg.model.backbone.plugins = [dict(cfg=dict(plugin), stages=(False, False, True, True), position='after_conv2')]
+    report = switch_norm(cfg, 'bcn-ws')
+    assert cfg.model.backbone.plugins[0].cfg == plugin
+    assert cfg.model.backbone.norm_cfg.type == 'BCN' and cfg.model.backbone.conv_cfg.type == 'WSConv2d'
+    assert not any('plugins' in row[0] for row in report.switched)
+
+
 def test_summary_lists_the_group_choices_and_the_exact_count_error(tmp_path):
     from mmseg.registry import MODELS
     from mmengine.registry import init_default_scope
@@ -294,6 +307,10 @@ def test_configs_by_package_name(tmp_path):
         launch.load_config('nope.py')
     from normdense.tools import resolve_config
     assert resolve_config('mmseg::unet/unet-s5-d16_fcn_4xb4-160k_cityscapes-512x1024.py').startswith('mmseg::')
+    # mmseg's package is 'mmseg', its distribution 'mmsegmentation': a name resolves to the installed file
+    cfg = launch.load_config('mmseg::deeplabv3/deeplabv3_r50-d8_4xb2-40k_cityscapes-512x1024.py')
+    assert cfg.model.decode_head.type == 'ASPPHead' and cfg.default_scope == 'mmseg'
+    assert cfg.work_dir.endswith('deeplabv3_r50-d8_4xb2-40k_cityscapes-512x1024')
 
 
 @pytest.mark.slow  # ~40 s: tools/train.py in a subprocess, through the data check

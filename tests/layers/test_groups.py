@@ -36,9 +36,10 @@ def test_auto_always_divides_and_keeps_two_channels(channels):
 
 
 @pytest.mark.parametrize('channels, per_group, groups', [(256, 16, 16), (48, 16, 3), (18, 16, 1), (35, 16, 5),
-                                                         (64, 8, 8), (36, 16, 2)])
+                                                         (64, 8, 8), (36, 16, 2), (30, 4, 6), (12, 5, 2)])
 def test_channels_per_group_rule(channels, per_group, groups):
-    # the width nearest K among C's divisors: 36 -> 18 (2 from 16; 12 is 4 away) -> 2 groups
+    # the width nearest K among C's divisors: 36 -> 18 (2 from 16; 12 is 4 away) -> 2 groups; a tie goes to the
+    # wider group: 30 at K = 4 -> width 5 (3 is as near) -> 6 groups, 12 at K = 5 -> width 6 (not 4) -> 2 groups
     assert resolve_groups(channels, 'auto', channels_per_group=per_group) == groups
 
 
