@@ -304,6 +304,9 @@ def switch_norm(cfg, spec, verbose: bool = False) -> SwitchReport:
         norm, conv = copy.deepcopy(norm_cfg), copy.deepcopy(conv_cfg)
         if spec['norm'] == 'gn-pn' and path == 'backbone':
             if node['type'] in _PN_BACKBONES:
+                if cls.__module__.startswith('mmdet.') and node.get('stem_channels') is None:
+                    # PNResNet is built on mmseg's ResNet (stem 64 by default); mmdet's makes it base_channels
+                    node['stem_channels'] = node.get('base_channels', 64)
                 node['type'] = _PN_BACKBONES[node['type']]
                 norm = dict(type='GNPN', **_group_args(spec['num_groups'], spec['channels_per_group']))
             else:

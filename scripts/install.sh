@@ -101,6 +101,11 @@ step "OpenMMLab stack (requirements/runtime.txt)" "pip must reach PyPI; see the 
 step "ONNX export: the [deploy] extra (requirements/deploy.txt)" "pip must reach PyPI for onnx, onnxruntime, onnxscript"
 "${PIP[@]}" -q -r requirements/deploy.txt
 
+step "mmdeploy 1.3.1 for the tests of its route (docs/deploy.md)" "pip must reach PyPI for mmdeploy and its pure-Python deps"
+# --no-deps: mmdeploy declares protobuf<=3.20.2, which onnx >= 1.15 cannot use (it runs with today's protobuf)
+"${PIP[@]}" -q --no-deps mmdeploy==1.3.1
+"${PIP[@]}" -q aenum multiprocess prettytable terminaltables six
+
 step "test tools (requirements/tests.txt)" "pip must reach PyPI"
 "${PIP[@]}" -q -r requirements/tests.txt
 

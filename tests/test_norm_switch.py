@@ -257,6 +257,21 @@ def test_partial_configs_get_no_norm_cfg_from_the_switch():
     assert cfg.model.backbone.backbone_cfg.norm_cfg.type == 'BCN'
 
 
+def test_gn_pn_keeps_an_mmdet_resnet_stem_width():
+    """mmdet's ResNet makes its stem base_channels wide, PNResNet (on mmseg's ResNet) 64 unless told: the switch
+    to gn-pn keeps the width of the architecture it replaces (the demo's half-width R-18 had a 64-channel stem)."""
+    from mmdet.registry import MODELS
+    from mmengine.registry import init_default_scope
+    cfg = base_config('mmdet', 'retinanet/retinanet_r18_fpn_1x_coco.py')
+    cfg.model.backbone.base_channels = 32
+    cfg.model.backbone.init_cfg = None
+    switch_norm(cfg, 'gn-pn')
+    assert cfg.model.backbone.type == 'PNResNet' and cfg.model.backbone.stem_channels == 32
+    init_default_scope('mmdet')
+    backbone = MODELS.build(cfg.model.backbone)
+    assert backbone.conv1.weight.shape[0] == 32
+
+
 def test_a_bare_cfg_dict_is_left_as_written():
     """A ResNet plugin is ``plugins=[dict(cfg=dict(type=...), ...)]``: the ResNet completes that ``cfg`` with its
     own arguments, so the switch leaves it as written (NonLocal2d accepts a conv_cfg, which the switch would add
