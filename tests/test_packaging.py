@@ -67,7 +67,7 @@ def test_no_dependency_is_pinned(wheel):
     assert not [r for r in requires if r.startswith(('torch', 'mmcv'))]
     # the codebases are extras, never core requirements
     assert not [r for r in core if r.startswith(('mmdet', 'mmsegmentation', 'mmpretrain'))]
-    assert set(_metadata(wheel).get_all('Provides-Extra')) >= {'det', 'seg', 'pretrain', 'all', 'tests'}
+    assert set(_metadata(wheel).get_all('Provides-Extra')) >= {'det', 'seg', 'pretrain', 'deploy', 'all', 'tests'}
 
 
 def _fake_distribution(site, name, version):
