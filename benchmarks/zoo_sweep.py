@@ -1,10 +1,11 @@
-"""The norm switch on the installed mmdet / mmseg model zoo: one config per folder of their packaged configs,
+"""The norm switch on the installed mmdet / mmseg (/ mmpretrain) model zoo: one config per folder of their packaged configs,
 every norm name; switch, build without pretrained weights, one training forward + backward of the feature
 extractor (+ decode head) at batch 2 on random images. Each (architecture, norm) is ``ok`` or one line saying
 why not (normdense.zoo). Writes JSON and a Markdown table (architecture x norm) and prints progress with ETA.
 
     python benchmarks/zoo_sweep.py                                  # the whole zoo, every norm (~1 h, 1 core)
     python benchmarks/zoo_sweep.py --codebases mmseg --folders unet deeplabv3plus --norms gn bcn-ws
+    python benchmarks/zoo_sweep.py --codebases mmpretrain --out benchmarks/results/zoo_sweep_mmpretrain  # classifiers (head included)
 """
 import argparse
 import json
@@ -27,7 +28,7 @@ from normdense.zoo import representative_configs, sweep  # noqa: E402
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--codebases', nargs='+', default=['mmdet', 'mmseg'], choices=['mmdet', 'mmseg'])
+    p.add_argument('--codebases', nargs='+', default=['mmdet', 'mmseg'], choices=['mmdet', 'mmseg', 'mmpretrain'])
     p.add_argument('--norms', nargs='+', default=list(CHOICES), choices=list(CHOICES))
     p.add_argument('--folders', nargs='+', help='only these config folders (default: every folder)')
     p.add_argument('--size', type=int, default=64, help='input height and width (default 64)')
@@ -60,8 +61,8 @@ def markdown(table: dict, norms, meta: dict) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
-    import mmdet
-    import mmseg
+    import importlib
+
     import torch
     configs = []
     for codebase in args.codebases:
@@ -72,7 +73,8 @@ def main(argv=None):
           flush=True)
     table = sweep(configs, args.norms, args.size, args.batch, log=lambda s: print(s, flush=True), timeout=args.timeout)
     meta = dict(date=time.strftime('%Y-%m-%d'), size=args.size, batch=args.batch, norms=args.norms,
-                packages=f'mmdet {mmdet.__version__}, mmseg {mmseg.__version__}, torch {torch.__version__}',
+                packages=', '.join(f'{c} {importlib.import_module(c).__version__}' for c in args.codebases)
+                + f', torch {torch.__version__}',
                 machine=f'{platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}')
     os.makedirs(osp.dirname(args.out) or '.', exist_ok=True)
     with open(args.out + '.json', 'w') as f:
