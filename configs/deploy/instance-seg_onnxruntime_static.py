@@ -2,24 +2,16 @@
 # configs/demo/mask-rcnn_r18_fpn_bcn-ws_toy-coco.py) to ONNX for ONNX Runtime, static shape. The same
 # settings as mmdeploy's own configs/mmdet/instance-seg/instance-seg_onnxruntime_static.py and its bases
 # (_base_/base_instance-seg_static.py, _base_/base_static.py, _base_/onnx_config.py, backends/onnxruntime.py;
-# in mmdeploy's repository, not in its wheel), written out as one dict, except optimize=False (the PyPI
-# wheel lacks the TorchScript extension of mmdeploy's ONNX optimizer: True only logs "Can not optimize model").
+# in mmdeploy's repository, not in its wheel); the ONNX and backend settings are _base_/onnxruntime_static.py
+# (optimize=False there: the PyPI wheel lacks mmdeploy's ONNX optimizer).
 # The graph holds the whole detector: backbone, FPN, RPN with box decoding and NMS (ONNX NonMaxSuppression),
 # RoI heads (ONNX RoiAlign) and the mask head; outputs dets (N, keep_top_k, 5: x1, y1, x2, y2, score),
 # labels (N, keep_top_k) and masks (N, keep_top_k, 28, 28) before pasting into the image
 # (export_postprocess_mask=False). Every operator is a standard ONNX one: plain onnxruntime runs it.
 # input_shape=None: the image as the test pipeline resizes and pads it (the demo: 160x160); [W, H] to fix.
 # Run it with tools/mmdeploy_torch2onnx.py (README.md here).
-onnx_config = dict(
-    type='onnx',
-    export_params=True,
-    keep_initializers_as_inputs=False,
-    opset_version=11,
-    save_file='end2end.onnx',
-    input_names=['input'],
-    output_names=['dets', 'labels', 'masks'],
-    input_shape=None,
-    optimize=False)
+_base_ = ['./_base_/onnxruntime_static.py']
+onnx_config = dict(output_names=['dets', 'labels', 'masks'])
 codebase_config = dict(
     type='mmdet',
     task='ObjectDetection',
@@ -33,4 +25,3 @@ codebase_config = dict(
         keep_top_k=100,
         background_label_id=-1,
         export_postprocess_mask=False))
-backend_config = dict(type='onnxruntime')

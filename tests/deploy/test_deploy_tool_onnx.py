@@ -1,11 +1,11 @@
 """tools/deploy.py --onnx on the packaged demo configs, one per codebase: the exported file, run in ONNX Runtime
 by the test itself, equals the *unfused* trained model's eval output; a missing onnxruntime is one line."""
-import importlib.util
 import os.path as osp
 
 import pytest
 import torch
 
+from tests.deploy._tools import load_tool
 from tests.deploy.test_fuse import _randomize_
 
 pytest.importorskip('onnxruntime', reason='needs the [deploy] extra (make install installs it): not run')
@@ -19,10 +19,7 @@ DEMOS = {
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location('deploy_tool', osp.join(ROOT, 'tools', 'deploy.py'))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
+    return load_tool('deploy')
 
 
 def _trained_checkpoint(config, path):

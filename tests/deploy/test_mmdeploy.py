@@ -5,7 +5,6 @@ statistics and affines. Each .onnx passes onnx.checker and runs in plain ONNX Ru
 the segmentor's logits equal the PyTorch model's (<= 1e-4 relative); the detector's sizeable top-20 detections
 (boxes, scores, labels, masks) are found among ONNX Runtime's, against mmdeploy's rewritten PyTorch forward
 (its post-processing is what the graph holds) with our layers in their own eval path."""
-import importlib.util
 import os.path as osp
 
 import pytest
@@ -16,6 +15,7 @@ pytest.importorskip('mmdeploy', reason='needs mmdeploy 1.3.1 (pip install --no-d
                                        'install aenum multiprocess prettytable terminaltables six): not run')
 
 from normdense.deploy import mmdeploy as md  # noqa: E402
+from tests.deploy._tools import load_tool  # noqa: E402
 
 pytestmark = pytest.mark.codebases
 
@@ -112,10 +112,7 @@ def test_mask_rcnn_exports_and_runs_in_onnxruntime(norm, tmp_path):
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location('mmdeploy_tool', osp.join(ROOT, 'tools', 'mmdeploy_torch2onnx.py'))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
+    return load_tool('mmdeploy_torch2onnx')
 
 
 def test_tool_with_the_shipped_config(tmp_path, capsys):
