@@ -133,7 +133,7 @@ def session(path, threads):
 
 def run_model(name, variants, x, args, tmp):
     from normdense.deploy import fuse
-    from normdense.deploy.onnx import export_onnx, relative_difference, run_onnxruntime, _flat
+    from normdense.deploy.onnx import export_and_check
     sessions, info = {}, {}
     for variant, make in variants.items():
         torch.manual_seed(0)
@@ -141,10 +141,7 @@ def run_model(name, variants, x, args, tmp):
         model.eval()  # (mmdet's ResNet.train returns None)
         fuse(model)
         path = osp.join(tmp, f'{name}_{len(sessions)}.onnx')
-        export_onnx(model, (x, ), path, opset=args.opset)
-        with torch.no_grad():
-            ref = _flat(model(x))
-        diff = relative_difference(ref, run_onnxruntime(path, (x, )))
+        _, diff = export_and_check(model, (x, ), path, opset=args.opset)
         counts = node_counts(path)
         if variant.startswith('BN') and counts.get('BatchNormalization'):
             raise SystemExit(f'{name} {variant}: the exporter left {counts["BatchNormalization"]} BatchNormalization '

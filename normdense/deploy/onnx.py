@@ -134,6 +134,11 @@ def export_onnx(module: nn.Module, inputs: Sequence[torch.Tensor], path: str, op
     ``dynamo``, torch.export and onnxscript (``opset`` None: the exporter's default); returns the output names
     (``output_names``, else the module's ``output_names(*inputs)``, else output / output{i}). The file is
     checked by ``onnx.checker``."""
+    return _export(module, inputs, path, opset, dynamo, output_names)[0]
+
+
+def _export(module, inputs, path, opset, dynamo, output_names=None):
+    """:func:`export_onnx`, returning (output names, PyTorch's flat outputs on ``inputs``)."""
     require('onnx', *(('onnxscript', ) if dynamo else ()))
     import onnx
     if any(m.training for m in module.modules()):
@@ -141,11 +146,11 @@ def export_onnx(module: nn.Module, inputs: Sequence[torch.Tensor], path: str, op
                           'call model.eval() first')
     inputs = tuple(inputs)
     with torch.no_grad():
-        n_out = len(_flat(module(*inputs)))
+        outputs = _flat(module(*inputs))
         names = output_names or (module.output_names(*inputs) if hasattr(module, 'output_names') else None) or \
-            ([f'output{i}' for i in range(n_out)] if n_out > 1 else ['output'])
-        if len(names) != n_out:
-            raise ExportError(f'{len(names)} output names for {n_out} outputs')
+            ([f'output{i}' for i in range(len(outputs))] if len(outputs) > 1 else ['output'])
+        if len(names) != len(outputs):
+            raise ExportError(f'{len(names)} output names for {len(outputs)} outputs')
         input_names = [f'input{i}' for i in range(len(inputs))] if len(inputs) > 1 else ['input']
         if dynamo:
             kw = {} if opset is None else {'opset_version': opset}
@@ -156,7 +161,7 @@ def export_onnx(module: nn.Module, inputs: Sequence[torch.Tensor], path: str, op
             torch.onnx.export(module, inputs, path, dynamo=False, opset_version=opset, input_names=input_names,
                               output_names=names, do_constant_folding=True)
     onnx.checker.check_model(path)
-    return names
+    return names, outputs
 
 
 def run_onnxruntime(path: str, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -190,9 +195,7 @@ def export_and_check(module: nn.Module, inputs: Sequence[torch.Tensor], path: st
                      dynamo: bool = False) -> Tuple[List[str], float]:
     """:func:`export_onnx`, then ONNX Runtime on the same inputs: (output names, relative difference from the
     PyTorch eval output)."""
-    names = export_onnx(module, inputs, path, opset=opset, dynamo=dynamo)
-    with torch.no_grad():
-        ref = _flat(module(*inputs))
+    names, ref = _export(module, inputs, path, opset, dynamo)
     return names, relative_difference(ref, run_onnxruntime(path, inputs))
 
 
@@ -221,7 +224,7 @@ def export_trained(model: nn.Module, path: str, size: Tuple[int, int], opset: Op
     Runtime on it; returns what was exported (kind, input shape, output names and shapes, difference)."""
     module, kind = exportable(model.eval())
     x = torch.randn((1, 3) + tuple(size), generator=torch.Generator().manual_seed(seed))
-    names, diff = export_and_check(module, (x, ), path, opset=opset, dynamo=dynamo)
-    with torch.no_grad():
-        shapes = [tuple(t.shape) for t in _flat(module(x))]
-    return dict(kind=kind, input=tuple(x.shape), outputs=dict(zip(names, shapes)), difference=diff)
+    names, ref = _export(module, (x, ), path, opset, dynamo)
+    diff = relative_difference(ref, run_onnxruntime(path, (x, )))
+    return dict(kind=kind, input=tuple(x.shape), outputs={n: tuple(t.shape) for n, t in zip(names, ref)},
+                difference=diff)

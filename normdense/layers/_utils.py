@@ -39,5 +39,7 @@ def exporting() -> bool:
     (TorchScript, dynamo), torch.export or torch.jit.trace. The StatNorm layers then run their eval form of
     standard ops (:meth:`StatNorm2d._export_form`): the engine's autograd Function and its torch.library
     operator have no ONNX translation, and a recorded graph keeps none of the engine's Python state."""
-    is_exporting = getattr(torch.compiler, 'is_exporting', None)  # torch >= 2.5
-    return torch.onnx.is_in_onnx_export() or torch.jit.is_tracing() or bool(is_exporting and is_exporting())
+    return torch.onnx.is_in_onnx_export() or torch.jit.is_tracing() or _is_exporting()
+
+
+_is_exporting = getattr(torch.compiler, 'is_exporting', lambda: False)  # torch >= 2.5 has it
