@@ -45,7 +45,8 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .layers.bcn import BatchChannelNorm2d, copy_norm_into_bcn
+from .layers._convert import copy_norm_into_bcn
+from .layers.bcn import BatchChannelNorm2d
 from .layers.groups import GroupNorm
 from .layers.iternorm import IterNorm
 from .layers.proxy_norm import GroupProxyNorm

@@ -1,6 +1,6 @@
 """The ATen backend of the StatNorm engine (``normdense/layers/_statnorm.py``): the passes over the activation x
 with ATen's GroupNorm and BatchNorm kernels, and the channel-sized first-stage statistics in torch. Every device.
-It imports nothing of normdense (the engine sits above it); ``triton.py`` implements the same interface.
+It implements ``backend.Backend`` (imports nothing of normdense but that contract); ``triton.py`` is the other.
 
 For x viewed as (N, C, L), per-(n, c) coefficients A, B [, K, L'] and t = x - m:
 
@@ -26,10 +26,13 @@ blocks back to the OS), more than the pass that fills it; the forward writes y o
 of the moments' kernel (which it does not otherwise need), the backward allocates dx only (and, with an
 activation, its pre-activation): GroupNorm's allocations.
 """
+import contextlib
 from typing import NamedTuple, Optional
 
 import torch
 from torch.ops import aten
+
+from .backend import STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, Statistics, StatsRequest, estimate_update, tracked
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -131,54 +134,48 @@ def centred_sums(dy: torch.Tensor, x3: torch.Tensor, m: Optional[torch.Tensor], 
     return dot.view(n, c), total.view(n, c)
 
 
-
-
-# --- the first stage (shared with the engine's collective path) --------------------------------------------
-STATS_NONE, STATS_FIXED, STATS_ESTIMATE, STATS_BATCH = 0, 1, 2, 3  # as the Triton stats kernel's modes
-
-
-def estimate_moments(m: torch.Tensor, v: torch.Tensor, base_mean: torch.Tensor) -> torch.Tensor:
-    """Algorithm 1 of arXiv:1903.10520, steps 1-2, from the per-(n, c) moments: (2, C) = (batch mean, second
-    moment around the estimate ``base_mean``), the latter as the mean over samples of v + (m - mu_hat)^2 (no
-    E[x^2] - E[x]^2 cancellation)."""
-    d = m - base_mean.to(m.dtype)
-    return torch.stack([m, torch.addcmul(v, d, d)]).mean(1)
-
-
-def estimate_step(base: torch.Tensor, moments: torch.Tensor, rate) -> torch.Tensor:
-    """Algorithm 1, steps 3-4: the estimates (2, C) moved by r (a number, or a tensor) towards the moments (2, C)."""
-    return torch.lerp(base.to(moments.dtype), moments, rate)
-
-
-def tracked(mean, var, count, momentum, nbt):
-    """A function (running_mean, running_var) -> None that moves the running statistics in place after one batch
-    of ``count`` values per channel (unbiased variance, as nn.BatchNorm); ``momentum`` None: the cumulative
-    average over num_batches_tracked + 1 batches. ``count`` a tensor (all-reduced): 0 leaves them as they are."""
-    weight = momentum if momentum is not None else (nbt + 1).to(mean.dtype).reciprocal()
-    if isinstance(count, torch.Tensor):
-        unbiased = var * count / (count - 1).clamp(min=1)
-        weight = (count > 0).to(mean.dtype) * weight
-    else:
-        unbiased = var * (count / (count - 1))
-
-    def write(running_mean, running_var):
-        running_mean.lerp_(mean.to(running_mean.dtype), weight)
-        running_var.lerp_(unbiased.to(running_var.dtype), weight)
-    return write
-
-
 class PassCoeffs(NamedTuple):
     raw: tuple  # (A, B[, K, L']) as the map made them
     centred: tuple  # A = 0 where v = 0 (see prepare)
     live: torch.Tensor  # v > 0
 
 
+def _statistics(m, v, shape, request: StatsRequest):
+    """(mean, var, moved, update) of ``request`` from the moments, in torch; nothing of the module is written."""
+    mean = var = moved = update = None
+    mode, stat_mean, stat_var, base, rate, momentum, write, nbt = request
+    with torch.no_grad():
+        if mode == STATS_FIXED:  # copies: constants of this call, whatever later calls do to the buffers
+            mean, var = stat_mean.to(m.dtype, copy=True), stat_var.to(m.dtype, copy=True)
+        elif mode == STATS_ESTIMATE:
+            if write:  # the iteration's first call: its start is the buffers
+                torch.stack([stat_mean, stat_var], out=base)
+            moved, (mean, var) = estimate_update(m, v, base, rate)
+            if write:  # the buffers take this call's estimates
+                def update(running_mean, running_var):
+                    running_mean.copy_(mean)
+                    running_var.copy_(var)
+        elif mode == STATS_BATCH:
+            mean = m.mean(0)  # over the samples; the variance by the law of total variance
+            d = m - mean
+            var = torch.addcmul(v, d, d).mean(0)
+            if write:
+                update = tracked(mean, var, shape[0] * shape[2], momentum, nbt)
+    return mean, var, moved, update
+
+
 class AtenBackend:
-    """The engine's backend interface on ATen (``triton.TritonBackend`` is the same on Triton kernels).
-    ``act``: None for y = A t + B, else an activation with ``name``, ``forward(z)`` and ``backward(g, z, out)``
-    (g act'(z); ``out`` = act(z)) for y = K act(A t + B) + L'. Coefficients are (N, C) in the compute dtype,
-    turned once per call by :meth:`prepare` into what the passes take (``pc``)."""
+    """:class:`normdense.kernels.backend.Backend` on ATen's kernels (every device); its first stage is torch code,
+    computed at once."""
     name = 'aten'
+    kernel_maps = False
+
+    @staticmethod
+    def first_stage(x3, request: StatsRequest, deferred: bool = True):
+        x3 = x3.contiguous()  # the row kernels take (N, C, L) rows: channels_last is copied
+        m, v, out = moments(x3)
+        mean, var, moved, update = _statistics(m, v, x3.shape, request)
+        return x3, Statistics(m, v, mean, var, moved, update, None, out, request)
 
     @staticmethod
     def prepare(coeffs, v):
@@ -189,38 +186,27 @@ class AtenBackend:
         return PassCoeffs(tuple(coeffs), (coeffs[0] * live, ) + tuple(coeffs[1:]), live)
 
     @staticmethod
-    def moments(x3):
-        return moments(x3)
-
-    @staticmethod
-    def stats(part, shape, mode=STATS_NONE, stat_mean=None, stat_var=None, base=None, rate=0.0, momentum=0.1,
-              write=False, nbt=None):
-        """(m, v, mean, var, moved, upd) as ``triton.TritonBackend.stats``; nothing of the module is written."""
-        m, v, _ = part
-        mean = var = moved = upd = None
+    def apply(x3, stats: Statistics, coeffs, act=None, out_dtype=None):
+        """(y, pc), y written into ``stats.out`` (the moments' output storage) when there is one."""
+        pc = AtenBackend.prepare(coeffs, stats.v)
+        m, buf = stats.m, stats.out
+        a, b = pc.centred[0], pc.centred[1]
+        if act is None:
+            y = apply(x3, m, a, b, buf)
+        elif act.name == 'relu':  # K relu(p) + L = max(K p + L, L) for K > 0 (K = 1 / proxy std, or 1)
+            k, l_ = pc.centred[2], pc.centred[3]
+            y = apply(x3, m, k * a, torch.addcmul(l_, k, b), buf)
+            y = y.clamp_(min=l_.unsqueeze(2).to(y.dtype))
+        else:
+            z = apply(x3, m, a, b, buf)
+            y = apply(act.forward(z), None, pc.centred[2], pc.centred[3], None if buf is None else z)
+        request = stats.request
         with torch.no_grad():
-            if mode == STATS_FIXED:  # copies: constants of this call, whatever later calls do to the buffers
-                mean, var = stat_mean.to(m.dtype, copy=True), stat_var.to(m.dtype, copy=True)
-            elif mode == STATS_ESTIMATE:
-                if write:  # the iteration's first call: its start is the buffers
-                    torch.stack([stat_mean, stat_var], out=base)
-                moved = estimate_moments(m, v, base[0])
-                mean, var = estimate_step(base, moved, rate)
-                if write:  # the buffers take this call's estimates (``apply`` runs it, last)
-                    def upd(running_mean, running_var):
-                        running_mean.copy_(mean)
-                        running_var.copy_(var)
-            elif mode == STATS_BATCH:
-                mean = m.mean(0)  # over the samples; the variance by the law of total variance
-                d = m - mean
-                var = torch.addcmul(v, d, d).mean(0)
-                if write:
-                    upd = tracked(mean, var, shape[0] * shape[2], momentum, nbt)
-        return m, v, mean, var, moved, upd
-
-    @staticmethod
-    def layout(x3):
-        return x3.contiguous()  # the row kernels take (N, C, L) rows: channels_last is copied
+            if stats.update is not None:
+                stats.update(request.stat_mean, request.stat_var)
+            if request.nbt is not None:
+                request.nbt.add_(1)
+        return (y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)), pc
 
     @staticmethod
     def grad_layout(dy, x3):
@@ -228,36 +214,10 @@ class AtenBackend:
         return (dy if dy.dtype == x3.dtype else dy.to(x3.dtype)).contiguous()
 
     @staticmethod
-    def plan_stats(part, shape, *args, **kwargs):
-        """(:meth:`stats`'s outputs, None): computed now (there is no coefficient kernel to fold them into)."""
-        return AtenBackend.stats(part, shape, *args, **kwargs), None
-
-    @staticmethod
-    def apply(x3, m, v, pc, act=None, out_dtype=None, write=None, nbt=None, buf=None):
-        """y (``out_dtype``) on x3 (N, C, L), written into ``buf`` (from :func:`moments`) when given; then the
-        module's state: ``write`` = (upd from :meth:`stats`, running_mean, running_var), ``nbt`` counted."""
-        coeffs = pc.centred
-        a, b = coeffs[0], coeffs[1]
-        if act is None:
-            y = apply(x3, m, a, b, buf)
-        elif act.name == 'relu':  # K relu(p) + L = max(K p + L, L) for K > 0 (K = 1 / proxy std, or 1)
-            k, l_ = coeffs[2], coeffs[3]
-            y = apply(x3, m, k * a, torch.addcmul(l_, k, b), buf)
-            y = y.clamp_(min=l_.unsqueeze(2).to(y.dtype))
-        else:
-            z = apply(x3, m, a, b, buf)
-            y = apply(act.forward(z), None, coeffs[2], coeffs[3], None if buf is None else z)
-        with torch.no_grad():
-            if write is not None:
-                write[0](write[1], write[2])
-            if nbt is not None:
-                nbt.add_(1)
-        return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
-
-    @staticmethod
-    def sums(x3, dy, m, v, pc, act=None, merged=True):
+    def sums(x3, dy, stats: Statistics, pc, act=None, merged=True):
         """([sum_l g t, sum_l g] (and, with an activation, sum_l dy act(A t + B), sum_l dy), state for dx), each
-        (N, C) (``merged``: the Triton backend's option; ATen's reductions have no chunks)."""
+        (N, C); ATen's reductions have no chunks (``merged`` changes nothing)."""
+        m = stats.m
         coeffs = pc.centred
         cd = coeffs[0].dtype
         if act is None:
@@ -275,11 +235,14 @@ class AtenBackend:
         return [k * ht, k * hs, dot, total], h
 
     @staticmethod
-    def dx(x3, dy, m, v, pc, dm, dv, gsum, act=None, batch=None, state=None):
+    def dx(x3, dy, stats: Statistics, pc, dm, dv, gsum, act=None, batch=None, state=None, pending=None):
         """dx = A g + c1 t + c0 (x3's dtype), c0 = (dm - A sum_l g) / L, c1 = 2 dv / L (0 where v = 0): c1 t + c0 in
         one pass, then A g added in place (g = K h with an activation, ``state`` from :meth:`sums`). ``batch`` =
-        (mean, dmean, dvar, 1 / N): dm, dv first take the VJP of the (unsynchronized) batch statistics."""
-        length = x3.shape[2]
+        (mean, dmean, dvar, 1 / N): dm, dv first take the VJP of the (unsynchronized) batch statistics. The torch
+        maps leave no ``pending`` sums."""
+        if pending is not None:
+            raise ValueError('the ATen backend runs the torch maps, which leave no pending sums')
+        m, length = stats.m, x3.shape[2]
         if batch is not None:
             mean, dmean, dvar, scale = batch
             dm = dm + torch.addcmul(dmean * scale, m - mean, dvar, value=2 * scale)
@@ -291,3 +254,8 @@ class AtenBackend:
         scale = coeffs[0] if act is None else coeffs[2] * coeffs[0]
         return apply(x3, m, c1, c0).addcmul_(state, scale.unsqueeze(2))
 
+    guard = contextlib.nullcontext  # nothing to set up (a class, not a function of ours: no call into this file)
+
+    @staticmethod
+    def compile_errors():
+        return ()

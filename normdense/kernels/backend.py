@@ -1,7 +1,13 @@
-"""Which backend runs a StatNorm layer's passes: ``aten`` (ATen's kernels, every device) or ``triton``
-(normdense's Triton kernels, CUDA; CPU tensors only under Triton's interpreter, ``TRITON_INTERPRET=1``).
+"""The StatNorm engine's backend contract, and which backend runs a call.
 
-The choice: the layer's ``backend`` option, else the environment variable ``NORMDENSE_BACKEND``, else
+A backend (``aten.AtenBackend``: ATen's kernels, every device; ``triton.TritonBackend``: normdense's Triton
+kernels, CUDA, CPU tensors under ``TRITON_INTERPRET=1``) implements :class:`Backend` with these records: the
+first stage a call asks for (:class:`StatsRequest`, modes ``STATS_*``), what comes back (:class:`Statistics`) and
+a layer VJP's deferred sums (:class:`PendingSums`). Algorithm 1's and the running statistics' arithmetic in torch
+(:func:`estimate_moments`, :func:`estimate_step`, :func:`tracked`) is here too: the ATen backend and the layers'
+estimates share it.
+
+Which backend: the the layer's ``backend`` option, else the environment variable ``NORMDENSE_BACKEND``, else
 ``auto``: Triton for CUDA tensors when triton imports and no kernel has failed to compile in this process,
 else ATen. A kernel that fails to compile under ``auto`` makes the process fall back to ATen with one
 warning; a forced ``triton`` raises instead. Imports no layer (and no triton until asked).
@@ -9,6 +15,10 @@ warning; a forced ``triton`` raises instead. Imports no layer (and no triton unt
 import contextlib
 import os
 import warnings
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple, runtime_checkable
+
+import torch
+from torch import Tensor
 
 BACKENDS = ('auto', 'aten', 'triton')
 ENV = 'NORMDENSE_BACKEND'
@@ -78,7 +88,6 @@ def device_guard(t):
     device = _device_of(t)
     if device.type != 'cuda':
         return contextlib.nullcontext()
-    import torch
     return torch.cuda.device(device)
 
 
@@ -104,3 +113,135 @@ def give_up_triton(option, error) -> None:
         warnings.warn(f'normdense: a Triton kernel failed to compile ({_STATE["broken"]}); using the ATen '
                       f'backend for the rest of this process (set {ENV}=aten to silence this)', RuntimeWarning,
                       stacklevel=3)
+
+
+def exporting() -> bool:
+    """True while a graph is recorded for another runtime (either torch.onnx exporter, torch.export,
+    torch.jit.trace): no backend runs then, the layers take their eval form of standard ops."""
+    return torch.onnx.is_in_onnx_export() or torch.jit.is_tracing() or _is_exporting()
+
+
+_is_exporting = getattr(torch.compiler, 'is_exporting', lambda: False)  # torch >= 2.5 has it
+
+# --- the contract -----------------------------------------------------------------------------------------------
+# The first stage's modes (the Triton stats kernel's MODE): no per-channel statistics (GN+PN); fixed ones (eval:
+# the running statistics); Algorithm 1's estimates moved by r; the batch's, with the running statistics tracked.
+STATS_NONE, STATS_FIXED, STATS_ESTIMATE, STATS_BATCH = 0, 1, 2, 3
+
+
+class StatsRequest(NamedTuple):
+    """The first stage one call asks for. ``stat_mean, stat_var``: FIXED's statistics, else the running buffers
+    (ESTIMATE reads them as the iteration's start when ``write``); ``base`` (2, C): the iteration's starting
+    estimates (filled when ``write``, else read); ``write``: the buffers take this call's values (the forward's
+    last launch writes them) and ``nbt`` (num_batches_tracked), if given, counts one; BATCH with ``momentum``
+    None: the cumulative average over nbt + 1 batches."""
+    mode: int = STATS_NONE
+    stat_mean: Optional[Tensor] = None
+    stat_var: Optional[Tensor] = None
+    base: Optional[Tensor] = None
+    rate: Any = 0.0
+    momentum: Optional[float] = 0.1
+    write: bool = False
+    nbt: Optional[Tensor] = None
+
+
+class Statistics(NamedTuple):
+    """One call's first stage: the per-(n, c) moments m, v (N, C), the per-channel mean, var (C,) (None in
+    STATS_NONE), ESTIMATE's ``moved`` (2, C: the batch moments the estimates moved towards), ``update`` (the
+    buffers' new values in the backend's own form, None: nothing to write), ``plan`` (a first stage the
+    coefficient map runs in its own launch, ``first=``; None: the values are there), ``out`` (storage the
+    output may take, or None) and the request."""
+    m: Tensor
+    v: Tensor
+    mean: Optional[Tensor]
+    var: Optional[Tensor]
+    moved: Optional[Tensor]
+    update: Any
+    plan: Any
+    out: Optional[Tensor]
+    request: StatsRequest
+
+
+@runtime_checkable
+class PendingSums(Protocol):
+    """A layer VJP's parameter gradients left as sample blocks' partials (large N, Triton maps): ``params`` their
+    final storage, filled by the dx launch or by :meth:`finish` (which returns (dmean, dvar))."""
+    params: list
+
+    def finish(self) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        ...
+
+
+class Backend(Protocol):
+    """The passes over the activation x3 (N, C, L). Coefficients are (N, C) in the compute dtype; ``pc`` is what
+    :meth:`prepare` makes of them; ``act`` None (y = A t + B) or an activation with ``name``, ``kwargs``,
+    ``forward(z)``, ``backward(g, z, out)`` (y = K act(A t + B) + L')."""
+    name: str
+    kernel_maps: bool  # the layers' kernel transcriptions of their maps run on it (``_coeff_maps(True)``)
+
+    def first_stage(self, x3: Tensor, request: StatsRequest, deferred: bool = True) -> Tuple[Tensor, Statistics]:
+        """(x3 as the passes read it, the first stage): the moments, and the statistics computed now or (where
+        ``deferred`` and the backend can) planned for the coefficient map's launch."""
+
+    def prepare(self, coeffs: tuple, v: Tensor) -> Any:
+        """The coefficients as the passes take them."""
+
+    def apply(self, x3: Tensor, stats: Statistics, coeffs: tuple, act=None,
+              out_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Any]:
+        """(y, pc): y = the map of x3 in ``out_dtype``, then the module's state written (``stats.update`` into the
+        request's buffers, nbt counted): the forward's last step."""
+
+    def grad_layout(self, dy: Tensor, x3: Tensor) -> Tensor:
+        """dy as the backward passes read it."""
+
+    def sums(self, x3: Tensor, dy: Tensor, stats: Statistics, pc, act=None, merged: bool = True) -> Tuple[list, Any]:
+        """(the coefficients' gradients [sum g t, sum g (, sum dy act(z), sum dy)], state for :meth:`dx`);
+        ``merged`` False: the chunks' partials where the backend has chunks (for its kernel maps)."""
+
+    def dx(self, x3: Tensor, dy: Tensor, stats: Statistics, pc, dm: Tensor, dv: Tensor, gsum, act=None,
+           batch: Optional[tuple] = None, state=None, pending: Optional[PendingSums] = None) -> Tensor:
+        """dx from the coefficient VJP's dm, dv; ``batch`` = (mean, dmean, dvar, 1 / N): the batch statistics' VJP
+        too; ``pending``: sums this launch finishes (kernel maps only)."""
+
+    def guard(self, t: Tensor) -> contextlib.AbstractContextManager:
+        """The context every launch for ``t`` runs in."""
+
+    def compile_errors(self) -> tuple:
+        """The exception types of a kernel that does not compile (empty: none can fail to)."""
+
+
+# --- the first stage's arithmetic in torch (Algorithm 1 of arXiv:1903.10520, BN's running statistics) ----------
+def estimate_moments(m: Tensor, v: Tensor, base_mean: Tensor) -> Tensor:
+    """Algorithm 1, steps 1-2, from the per-(n, c) moments: (2, C) = (batch mean, second moment around the estimate
+    ``base_mean``), the latter as the mean over samples of v + (m - mu_hat)^2 (no E[x^2] - E[x]^2 cancellation)."""
+    d = m - base_mean.to(m.dtype)
+    return torch.stack([m, torch.addcmul(v, d, d)]).mean(1)
+
+
+def estimate_step(base: Tensor, moments: Tensor, rate) -> Tensor:
+    """Algorithm 1, steps 3-4: the estimates (2, C) moved by r (a number, or a tensor) towards the moments (2, C)."""
+    return torch.lerp(base.to(moments.dtype), moments, rate)
+
+
+def estimate_update(m: Tensor, v: Tensor, base: Tensor, rate) -> Tuple[Tensor, Tensor]:
+    """Algorithm 1, steps 1-4, from the per-(n, c) moments: (moments (2, C), estimates (2, C)) with ``base`` (2, C)
+    the estimates the iteration started from."""
+    moved = estimate_moments(m, v, base[0])
+    return moved, estimate_step(base, moved, rate)
+
+
+def tracked(mean, var, count, momentum, nbt) -> Callable[[Tensor, Tensor], None]:
+    """A function (running_mean, running_var) -> None that moves the running statistics in place after one batch
+    of ``count`` values per channel (unbiased variance, as nn.BatchNorm); ``momentum`` None: the cumulative
+    average over num_batches_tracked + 1 batches. ``count`` a tensor (all-reduced): 0 leaves them as they are."""
+    weight = momentum if momentum is not None else (nbt + 1).to(mean.dtype).reciprocal()
+    if isinstance(count, torch.Tensor):
+        unbiased = var * count / (count - 1).clamp(min=1)
+        weight = (count > 0).to(mean.dtype) * weight
+    else:
+        unbiased = var * (count / (count - 1))
+
+    def write(running_mean, running_var):
+        running_mean.lerp_(mean.to(running_mean.dtype), weight)
+        running_var.lerp_(unbiased.to(running_var.dtype), weight)
+    return write

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .aten import STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, STATS_NONE  # noqa: F401  (the modes)
+from .backend import STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, STATS_NONE  # noqa: F401  (the modes)
 from .scalars import from_hi_lo, hi_lo
 
 

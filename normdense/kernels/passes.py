@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .aten import STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, STATS_NONE  # noqa: F401  (the stats modes)
+from .backend import STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, STATS_NONE  # noqa: F401  (the stats modes)
 from .first_stage import _stats_kernel, stats  # noqa: F401  (the first stage: its own file, shared with the maps)
 from .passes_bwd import _dx_kernel, _merge_kernel, _sums_kernel
 from .passes_fwd import _apply_kernel, _moments_kernel

@@ -5,7 +5,7 @@ The layer classes and the user-facing helpers are exported here, as timm's and m
 ``EstimateRateMixin``) stay in their modules (``_statnorm.py``, ``_estimate.py``).
 """
 from ._estimate import mark_iteration, set_update_rate
-from ._statnorm import set_fused
+from ._utils import set_fused
 from .bcn import BatchChannelNorm2d
 from .equinorm import ChannelAffine, EquiConv2d
 from .groups import GroupNorm, resolve_groups  # the group policy of GN, BCN and GN+PN

@@ -2,15 +2,15 @@
 with Batch-Channel Normalization and Weight Standardization" (arXiv:1903.10520), shared by every layer
 that normalizes with such estimates (BCN's ``mode='estimate'``, Unitization's ``mode='estimate'``).
 
-Steps 1-4 in torch are ``normdense.kernels.aten.estimate_moments`` / ``estimate_step`` (the Triton stats
-kernel transcribes them); here: the rate state and its range check (:class:`EstimateRateMixin`), the
-once-per-iteration bookkeeping, the all-reduce of ``sync_stats``, and the loop-side setter
-(:func:`set_update_rate`); the hook that feeds r from the learning rate
-(``normdense.hooks.estimate_rate.EstimateRateHook``) dispatches on the mixin.
+Steps 1-4 in torch are ``normdense.kernels.backend.estimate_moments`` / ``estimate_step`` (the Triton stats
+kernel transcribes them). Here: the rate state and its range check (:class:`EstimateRateMixin`, which the hook
+that feeds r from the learning rate dispatches on), the once-per-iteration bookkeeping (:class:`Estimates`, a
+component the engine owns: it is handed the buffers and the rate and calls nothing of the layer), and the
+loop-side setter :func:`set_update_rate`.
 
 The estimates move once per training iteration, however often a layer is called in it (a head shared over
-FPN levels, an activation checkpoint's recomputation in backward): :meth:`EstimateRateMixin.
-_estimates_for_call` says how the calls of an iteration combine, :func:`mark_iteration` what ends one.
+FPN levels, an activation checkpoint's recomputation in backward): :meth:`Estimates.estimates` says how the calls
+of an iteration combine, :func:`mark_iteration` what ends one.
 
 r must lie in [0, 1]: each step moves an estimate by ``r * (batch moment - estimate)``, so r > 1
 overshoots and the variance estimate can turn negative (NaN in the next normalization). r = 0 freezes the
@@ -23,16 +23,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..kernels.aten import estimate_moments, estimate_step
+from ..kernels.backend import estimate_moments, estimate_step
+from ._distributed import pack, unpack, world_size
 
 # Shown wherever a layer has no rate: the hook's registered names (BCNRateHook is the older alias).
 RATE_HINT = ("add custom_hooks=[dict(type='EstimateRateHook')] (alias 'BCNRateHook'; r = the optimizer's "
              "current learning rate, as in the paper), call normdense.layers.set_update_rate(model, lr) each "
              "iteration, or set a fixed norm_cfg update_rate=...")
 
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def check_rate(rate, who: str = 'update rate r') -> float:
@@ -46,19 +44,6 @@ def check_rate(rate, who: str = 'update rate r') -> float:
                          'estimate turns negative, then NaN); lower the rate (e.g. EstimateRateHook rate_scale, '
                          'or the learning rate it follows)')
     return value
-
-
-def _pack(moments, count):
-    """(2C + 1): the count-weighted moments and the count, for an all-reduce. ``new_full``, not ``new_tensor``: a
-    tensor from Python data is a host-to-device copy (a sync on CUDA)."""
-    return torch.cat([moments.flatten() * count, moments.new_full((1, ), count)])
-
-
-def _unpack(sums):
-    """(moments (2, C), count tensor) of all-reduced :func:`_pack` sums; no samples anywhere: moments 0, and a
-    zero rate where they are used (``total > 0``) instead of an ``if`` that reads the value (a sync)."""
-    total = sums[-1]
-    return sums[:-1].view(2, -1) / total.clamp(min=1), total
 
 
 def _rate(rate: float, count, dtype):
@@ -81,16 +66,9 @@ def mark_iteration() -> None:
     _TOKEN[0] += 1
 
 
-def _mark_on_backward(grad):
+def mark_on_backward(grad) -> None:
+    """A tensor hook: gradients flowing back through an estimate-mode layer's output end the iteration."""
     mark_iteration()
-
-
-def watch_backward(y: torch.Tensor) -> torch.Tensor:
-    """``y`` (a training output of an estimate-mode layer), marked so that a backward through it ends the
-    iteration (:func:`mark_iteration`)."""
-    if y.requires_grad:
-        y.register_hook(_mark_on_backward)
-    return y
 
 
 def in_backward() -> bool:
@@ -121,15 +99,102 @@ class _Iteration:
         return torch.stack(self.synced).index_select(0, index.view(1))[0]
 
 
-class EstimateRateMixin:
-    """Rate state of a layer with estimate-mode statistics (``running_mean`` / ``running_var`` buffers).
+class Estimates:
+    """One layer's estimates across the calls of a training iteration (the engine, ``StatNorm2d``, owns one). The
+    caller hands over the buffers (running_mean, running_var, num_batches_tracked) and a function giving r; nothing
+    here calls the layer."""
 
-    The layer calls :meth:`_init_estimate_rate` in its constructor. r is ``update_rate`` when fixed, else
-    the ``current_rate`` that :class:`~normdense.hooks.estimate_rate.EstimateRateHook` or
-    :func:`set_update_rate` sets before each iteration; both are range-checked where they are set. Used with
-    ``StatNorm2d``, which owns the dtype policy (estimates float32 under ``model.half()``, half inputs in
-    float32).
-    """
+    def __init__(self):
+        self.iteration = None  # the open _Iteration
+
+    def reset(self) -> None:
+        """New buffers (a load, a move to another device or dtype): the next call opens a new iteration."""
+        self.iteration = None
+
+    def begin(self, buffers, rate, deferred: bool = False):
+        """(this training iteration's state, whether this call is a recomputation in backward), the iteration
+        opened on its first call (num_batches_tracked counts iterations, not calls). ``deferred``: the backend's
+        first stage fills ``base`` (an empty (2, C) here) and counts num_batches_tracked (no launch here)."""
+        st = self.iteration
+        if in_backward():  # a recomputation: the forward's iteration
+            if st is None:
+                raise RuntimeError('an estimate-mode layer is recomputed in backward but was not called in '
+                                   "this iteration's forward")
+            return st, True
+        if st is None or st.token != _TOKEN[0]:
+            rm, rv, nbt = buffers
+            base = rm.new_empty((2, ) + tuple(rm.shape)) if deferred else torch.stack([rm.detach(), rv.detach()])
+            st = self.iteration = _Iteration(_TOKEN[0], base, rate())
+            if not deferred and nbt is not None:
+                nbt.add_(1)
+        return st, False
+
+    def drop_unfilled(self) -> None:
+        """Forget an iteration opened by a call whose first stage never ran (a kernel failed to compile)."""
+        if self.iteration is not None and self.iteration.total is None:
+            self.iteration = None
+
+    def estimates(self, m: torch.Tensor, v: torch.Tensor, positions: int, buffers, rate, sync: bool):
+        """This training call's estimates (mean, var) from the per-(n, c) moments m, v (N, C) of its input, in
+        torch (the reference compositions, the engine's all-reduced path).
+
+        Algorithm 1 with an iteration of several calls (a head shared over FPN levels, activation
+        checkpointing's recomputation): a call normalizes with the iteration's starting estimates moved by r
+        towards *its own* moments (steps 3-4 as if it were the iteration's only call: exactly Algorithm 1 for
+        one call, and the same for every call order); the buffers then hold the starting estimates moved by r
+        towards the moments of all the iteration's calls together (one move of r per iteration). With ``sync``
+        the moments are all-reduced first (exact for unequal batches; a process without samples joins with a
+        count of 0). A recomputation in backward returns the forward call's values and changes nothing (no
+        collective either: the forward's all-reduced moments are kept for it)."""
+        st, backward = self.begin(buffers, rate)
+        with torch.no_grad():
+            count = m.shape[0] * positions
+            moments = estimate_moments(m, v, st.mean) if count else st.base.to(m.dtype) * 0
+            if sync and world_size() > 1:
+                moments, count = self._all_reduced(st, moments, count, backward)
+            call = estimate_step(st.base, moments, _rate(st.rate, count, moments.dtype))
+            if not backward:
+                if st.total is None:  # the iteration's first call: the buffers take its estimates
+                    buffers[0].copy_(call[0])
+                    buffers[1].copy_(call[1])
+                self.end(st, moments, count, buffers)
+            return call[0], call[1]
+
+    @staticmethod
+    def _all_reduced(st: '_Iteration', moments: torch.Tensor, count: int, backward: bool):
+        """(moments, count tensor) over every process; a recomputation in backward finds the forward's."""
+        local = pack(moments, count)
+        if backward:
+            return unpack(st.synced_sums(local))
+        synced = local.clone()
+        dist.all_reduce(synced)
+        st.local.append(local)
+        st.synced.append(synced)
+        return unpack(synced)
+
+    @staticmethod
+    def end(st: _Iteration, moments: torch.Tensor, count, buffers) -> None:
+        """After a call with moments (2, C) over ``count`` values (an int, or a tensor after an all-reduce) whose
+        buffers, as the iteration's first call, are set already: the iteration's running total, and for a later
+        call the buffers moved towards it."""
+        if st.total is None:
+            st.total = (moments, count)
+            return
+        with torch.no_grad():
+            total, n = st.total
+            n = n + count
+            weight = count / n.clamp(min=1) if isinstance(n, torch.Tensor) else count / max(n, 1)
+            st.total = (torch.lerp(total.to(moments.dtype), moments, weight), n)
+            moved = estimate_step(st.base, st.total[0], _rate(st.rate, n, moments.dtype))
+            buffers[0].copy_(moved[0])
+            buffers[1].copy_(moved[1])
+
+
+class EstimateRateMixin:
+    """Rate state of a layer with estimate-mode statistics: r is ``update_rate`` when fixed, else the
+    ``current_rate`` that :class:`~normdense.hooks.estimate_rate.EstimateRateHook` or :func:`set_update_rate` sets
+    before each iteration; both are range-checked where they are set. The layer calls :meth:`_init_estimate_rate`
+    in its constructor."""
 
     def _init_estimate_rate(self, mode: str, update_rate: Optional[float]) -> None:
         name = type(self).__name__
@@ -154,100 +219,6 @@ class EstimateRateMixin:
             raise RuntimeError(f"{type(self).__name__}(mode='estimate') is training but has no update rate r, so "
                                f"its estimates would never move: {RATE_HINT}")
         return self.current_rate
-
-    # --- the estimates, moved once per training iteration ----------------------------------------------
-    def estimates_from_input(self, x: torch.Tensor):
-        """This training call's estimates (mean, var) from its input x (N, C, ...), for the reference
-        compositions: the per-(n, c) moments of x, then :meth:`estimates_from_moments`."""
-        with torch.no_grad():
-            xf = self.compute_input(x)
-            x3 = xf.reshape(xf.shape[0], xf.shape[1], math.prod(xf.shape[2:]))
-            if x3.numel():
-                v, m = torch.var_mean(x3, dim=2, correction=0)
-            else:  # no values (a RoI head without RoIs): a count of 0 below
-                m = v = x3.new_zeros(x3.shape[:2])
-            return self.estimates_from_moments(m, v, x3.shape[2])
-
-    def estimates_from_moments(self, m: torch.Tensor, v: torch.Tensor, positions: int):
-        """This training call's estimates (mean, var) from the per-(n, c) moments m, v (N, C) of its input.
-
-        Algorithm 1 with an iteration of several calls (a head shared over FPN levels, activation
-        checkpointing's recomputation): a call normalizes with the iteration's starting estimates moved by r
-        towards *its own* moments (steps 3-4 as if it were the iteration's only call: exactly Algorithm 1 for
-        one call, and the same for every call order); the buffers then hold the starting estimates moved by r
-        towards the moments of all the iteration's calls together (one move of r per iteration). With
-        ``sync_stats`` the moments are all-reduced first (exact for unequal batches; a process without samples
-        joins with a count of 0). A recomputation in backward returns the forward call's values and changes
-        nothing (no collective either: the forward's all-reduced moments are kept for it)."""
-        st = self._open_iteration()
-        with torch.no_grad():
-            count = m.shape[0] * positions
-            moments = estimate_moments(m, v, st.mean) if count else st.base.to(m.dtype) * 0
-            if self.sync_stats and world_size() > 1:
-                moments, count = self._all_reduced(st, moments, count)
-            call = estimate_step(st.base, moments, _rate(st.rate, count, moments.dtype))
-            if not in_backward():
-                if st.total is None:  # the iteration's first call: the buffers take its estimates
-                    self.running_mean.copy_(call[0])
-                    self.running_var.copy_(call[1])
-                self._record_call(st, moments, count)
-            return call[0], call[1]
-
-    def _all_reduced(self, st: '_Iteration', moments: torch.Tensor, count: int):
-        """(moments, count tensor) over every process; a recomputation in backward finds the forward's."""
-        local = _pack(moments, count)
-        if in_backward():
-            return _unpack(st.synced_sums(local))
-        synced = local.clone()
-        dist.all_reduce(synced)
-        st.local.append(local)
-        st.synced.append(synced)
-        return _unpack(synced)
-
-    def _open_iteration(self, deferred: bool = False) -> _Iteration:
-        """This training iteration's state, opened on its first call. ``deferred``: the caller's kernel fills
-        ``base`` (an empty (2, C) here) and counts num_batches_tracked (the Triton backend: no launch here)."""
-        st = self.__dict__.get('_iteration')
-        if in_backward():  # a recomputation: the forward's iteration
-            if st is None:
-                raise RuntimeError(f'{type(self).__name__} is recomputed in backward but was not called in '
-                                   "this iteration's forward")
-            return st
-        if st is None or st.token != _TOKEN[0]:
-            rm = self.running_mean
-            if deferred:
-                base = rm.new_empty((2, ) + tuple(rm.shape))
-            else:
-                base = torch.stack([rm.detach(), self.running_var.detach()])
-            st = _Iteration(_TOKEN[0], base, self._rate())
-            self.__dict__['_iteration'] = st
-            if not deferred and isinstance(getattr(self, 'num_batches_tracked', None), torch.Tensor):
-                self.num_batches_tracked.add_(1)  # iterations, not calls
-        return st
-
-    def _record_call(self, st: _Iteration, moments: torch.Tensor, count) -> None:
-        """After a call with moments (2, C) over ``count`` values (an int, or a tensor after an all-reduce) whose
-        buffers, as the iteration's first call, are set already: the iteration's running total, and for a later
-        call the buffers moved towards it."""
-        if st.total is None:
-            st.total = (moments, count)
-            return
-        with torch.no_grad():
-            total, n = st.total
-            n = n + count
-            weight = count / n.clamp(min=1) if isinstance(n, torch.Tensor) else count / max(n, 1)
-            st.total = (torch.lerp(total.to(moments.dtype), moments, weight), n)
-            moved = estimate_step(st.base, st.total[0], _rate(st.rate, n, moments.dtype))
-            self.running_mean.copy_(moved[0])
-            self.running_var.copy_(moved[1])
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        self.__dict__.pop('_iteration', None)  # new estimates: the next call starts a new iteration from them
-        return super()._load_from_state_dict(*args, **kwargs)
-
-    def _apply(self, fn, *args, **kwargs):
-        self.__dict__.pop('_iteration', None)  # its tensors stay where they were: start anew from the buffers
-        return super()._apply(fn, *args, **kwargs)
 
 
 def set_update_rate(module: nn.Module, rate: float) -> int:

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
-from ._statnorm import device_autocast
+from ._utils import device_autocast
 
 
 def recompute_active(module: nn.Module, x: torch.Tensor) -> bool:

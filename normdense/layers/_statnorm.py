@@ -18,33 +18,61 @@ where dm, dv and the parameter gradients are the layer's closed-form ``coeff_vjp
 (backend.sums), plus, in batch mode, the VJP of the batch statistics. Only x (in its own dtype) and
 channel-sized tensors are kept for backward: the activation memory of one nn.GroupNorm.
 
-The backends (``normdense/kernels/aten.py``, ``triton.py``) and the torch.compile operator
-(``kernels/torch_op.py``) import nothing from ``layers/``; one autograd Function (:class:`_StatNormFn`) runs
-either, and only tensors and plain values cross it.
+Calls go one way: the layer's forward calls the engine once; the engine asks the layer for data
+(``_statnorm_params``, ``_coeff_maps``, ``_statnorm_act``), the backend for passes (the contract of
+``normdense/kernels/backend.py``) and its :class:`~._estimate.Estimates` for the iteration's bookkeeping. The
+backends and the torch.compile operator (``kernels/torch_op.py``) import nothing from ``layers/``; one autograd
+Function (:class:`_StatNormFn`) runs either, and only tensors and typed records cross it. docs/engine.md.
 """
-import types
-from typing import Optional, Tuple
+import dataclasses
+import math
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ExportError
-from ..kernels import backend as _backend
-from ..kernels.aten import STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, AtenBackend, tracked
-from ..kernels.backend import check_backend, selected_backend
-from ._estimate import in_backward, mark_iteration, watch_backward, world_size
+from ..kernels.aten import AtenBackend
+from ..kernels.backend import (STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, PendingSums, Statistics, StatsRequest,
+                               give_up_triton, selected_backend, tracked)
+from ..kernels.backend import check_backend
+from ._distributed import synced_batch_moments, synced_batch_moments_vjp
+from ._estimate import Estimates, in_backward, mark_iteration, mark_on_backward
 
 _HALF = (torch.float16, torch.bfloat16)
+
+
+def _triton():
+    from ..kernels.triton import TritonBackend  # triton imported only when it runs
+    return TritonBackend
+
+
+_BACKENDS = {'aten': lambda: AtenBackend, 'triton': _triton}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """What the Function's forward and backward need of one call besides tensors."""
+    backend: Any  # a kernels.backend.Backend
+    maps: tuple  # (coeff_map, coeff_vjp) of the backend's kind
+    torch_maps: tuple  # the layer's torch maps (the ATen fallback of a Triton backward that fails to compile)
+    kernel_maps: bool  # maps are the layer's kernel transcriptions
+    kind: str  # the statistics: 'none' | 'fixed' | 'batch' | 'synced'
+    count: Any  # values per channel behind batch statistics (an int, a tensor when all-reduced), else None
+    act: Any  # GN+PN's activation, or None
+    out_dtype: torch.dtype
+    option: Optional[str]  # the layer's backend option (a failed compile under 'auto' falls back)
+    ends_iteration: bool  # estimate mode in training: the backward ends the iteration
 
 
 class StatNorm2d(nn.Module):
     """Base class of BCN, GN+PN and Unitization: their flags, buffers, dtype policy and the engine.
 
-    A layer calls :meth:`_init_statnorm` in its constructor and defines ``_statnorm_params()`` (the parameters
-    its coefficients depend on, tensors or None, in order) and ``_coeff_maps(triton)``: the pure coefficient
-    map and its closed-form VJP as plain callables (its file's functions bound to its configuration, or their
-    Triton transcriptions)::
+    A layer calls :meth:`_init_statnorm` in its constructor and supplies data only: ``_statnorm_params()`` (the
+    parameters its coefficients depend on, tensors or None, in order), ``_coeff_maps(kernel)`` (the pure
+    coefficient map and its closed-form VJP as plain callables: its file's functions bound to its configuration,
+    or their kernel transcriptions), ``_statnorm_act()`` (GN+PN's activation) and ``_eval_form(x)``::
 
         coeff_map(m, v, mean, var, params, positions, count) -> ((A, B[, K, L]), residuals)
         coeff_vjp(residuals, grads, wants_stats) -> (dm, dv, dmean, dvar, dparams)
@@ -63,9 +91,8 @@ class StatNorm2d(nn.Module):
       float64 where the input or a parameter is float64, else float32 (:meth:`stat_dtype`); the reference
       compositions take half inputs in float32 (:meth:`compute_input`);
     * the output keeps the input's dtype, under autocast too: statistics in float32 (float64 for float64),
-      y written once in x's dtype, as nn.BatchNorm2d does under autocast. nn.GroupNorm's autocast policy
-      returns float32 for a half input instead (twice the bytes written, and a float32 dy to read back);
-      the reference compositions cast to x's dtype so both paths give the same dtype;
+      y written once in x's dtype, as nn.BatchNorm2d does under autocast (nn.GroupNorm returns float32 for a
+      half input: twice the bytes written); the reference compositions cast to x's dtype likewise;
     * estimate-mode estimates stay float32 when the module is cast to fp16/bf16 (``model.half()``): an update
       of ``r * delta`` with r ~ lr is below bf16's resolution and would be lost to rounding (:meth:`_apply`).
     """
@@ -79,6 +106,7 @@ class StatNorm2d(nn.Module):
         self.mode, self.sync_stats, self.momentum = mode, bool(sync_stats), momentum
         self.fused = bool(fused)
         self.backend = check_backend(backend, f'{type(self).__name__} backend')
+        self._estimates = Estimates()
         if self._FIRST_STAGE:  # 'batch': eval statistics; 'estimate': the estimates mu_hat, sigma_hat^2
             self.register_buffer('running_mean', torch.zeros(num_features))
             self.register_buffer('running_var', torch.ones(num_features))
@@ -89,13 +117,19 @@ class StatNorm2d(nn.Module):
         self.running_var.fill_(1.0)
         self.num_batches_tracked.zero_()
 
+    def _buffers3(self):
+        return self.running_mean, self.running_var, self._buffers.get('num_batches_tracked')
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
+        self._estimates.reset()  # new estimates: the next call starts a new iteration from them
         key = prefix + 'num_batches_tracked'
         if self._FIRST_STAGE and local_metadata.get('version', 1) < 2 and key not in state_dict:
             state_dict[key] = torch.tensor(0, dtype=torch.long)  # as torch's _NormBase for its version 1
         return super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
 
     def _apply(self, fn, *args, **kwargs):
+        if '_estimates' in self.__dict__:  # its tensors stay where they were: start anew from the buffers
+            self._estimates.reset()
         if getattr(self, 'mode', None) != 'estimate':
             return super()._apply(fn, *args, **kwargs)
         before = {n: self._buffers[n] for n in self._ESTIMATE_BUFFERS if self._buffers.get(n) is not None}
@@ -129,124 +163,21 @@ class StatNorm2d(nn.Module):
     def _statnorm_repr(self) -> str:
         return ('' if self.fused else ', fused=False') + (f', backend={self.backend!r}' if self.backend else '')
 
-    # --- forward --------------------------------------------------------------------------------------------
-    def _export_form(self, x: torch.Tensor) -> torch.Tensor:
-        """The output while the model is exported (``_utils.exporting``): the layer's ``_eval_form(x)``, eval
-        mode's output as a short composition of standard ops that ONNX translates. Training-mode export of a
-        layer with a first stage is refused: a recorded graph cannot move statistics or estimates."""
-        if self.training and self._FIRST_STAGE:
-            raise ExportError(f'{type(self).__name__} exports in eval mode only (its training statistics and '
-                               f'estimate updates cannot be recorded): call model.eval() before exporting')
-        return self._eval_form(x)
-
-    def _statnorm_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The layer's output on a non-empty x (N, C, *positions)."""
-        if torch.compiler.is_compiling():  # one opaque operator for the compiler
-            from ..kernels.torch_op import compiled_call
-            if self.mode == 'estimate' and self.training:
-                self.__dict__['_op_marks_iteration'] = True  # its backward ends the iteration
-            return compiled_call(self, x)
-        return self._statnorm_eager(x)
-
-    def _statnorm_eager(self, x: torch.Tensor, keep: Optional[list] = None) -> torch.Tensor:
-        """The output by the selected backend. ``keep`` (a list): no autograd graph; (backward state, backward
-        function) is appended to it instead (the torch.compile operator)."""
-        if selected_backend(self, x) == 'triton':
-            from ..kernels.triton import TritonBackend  # triton imported only when it runs
-            try:
-                with _backend.device_guard(x):  # every launch on x's device and its current stream
-                    return self._run(x, TritonBackend, keep)
-            except _backend.compile_errors() as e:  # under 'auto': the ATen backend takes this call and the next
-                _backend.give_up_triton(self.backend, e)
-                st = self.__dict__.get('_iteration')
-                if st is not None and st.total is None:  # opened by this call, its base never filled
-                    self.__dict__.pop('_iteration')
-        return self._run(x, AtenBackend, keep)
-
-    def _run(self, x, be, keep):
-        shape = x.shape
-        cd, out_dtype = self._statnorm_dtypes(x)
-        with torch.autocast(x.device.type, enabled=False):
-            x3 = x.reshape(shape[0], shape[1], -1)
-            if x3.dtype != cd and x3.dtype not in _HALF:
-                x3 = x3.to(cd)  # e.g. float32 x with float64 parameters
-            # Triton reads (N, C, L) and channels_last (N, L, C) layouts in place; anything else (a permuted
-            # view, ATen's row kernels) is made contiguous: a copy
-            x3 = be.layout(x3)
-            part = be.moments(x3)
-            m, v, stats, write, nbt, record, first = self._first_stage(be, part, x3.shape)
-            params = tuple(self._statnorm_params())
-            # the layer's Triton maps, or its torch ones where the statistics come from a collective
-            triton = be is not AtenBackend and not isinstance(stats[3], torch.Tensor)
-            call = types.SimpleNamespace(
-                backend=be, maps=self._coeff_maps(triton), fallback_maps=self._coeff_maps(False) if triton else None,
-                triton_maps=triton,
-                option=self.backend, act=self._statnorm_act(), m=m, v=v, stats=stats, out_dtype=out_dtype,
-                fold={} if first is None else {'first': first},
-                ends_iteration=self.mode == 'estimate' and self.training)
-            effects = [write, nbt, part[2] if be is AtenBackend else None]  # the last: storage y may take
-            needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(
-                p is not None and p.requires_grad for p in params))
-            if keep is not None:
-                ctx = types.SimpleNamespace(needs_input_grad=(True, ))
-                y = _forward(ctx, x3, call, effects, params)
-                ctx.saved_tensors = (x3, )
-                keep.append((ctx, _op_backward))
-                needs_grad = False
-            elif not needs_grad:  # eval / no_grad: nothing kept
-                coeffs = call.maps[0](m, v, stats[1], stats[2], params, x3.shape[2], stats[3], **call.fold)[0]
-                y = be.apply(x3, m, v, be.prepare(coeffs, v), call.act, out_dtype, *effects)
-            else:  # the list: a tensor argument returned as the output would make the output a view of an input
-                y = _StatNormFn.apply(x3, call, effects, *params)
-        if record is not None:
-            record()  # after the kernels ran: the iteration's bookkeeping in Python
-        return _reshaped_base(y, shape) if not needs_grad else y.view(shape)
-
-    def _first_stage(self, be, part, shape):
-        """(m, v, stats, write, nbt, record, first): the moments, the statistics (kind, mean, var, count), what
-        the backend's apply writes into the buffers last, the num_batches_tracked it counts, a Python step for
-        after the kernels, and the backend's planned first stage that the coefficient map must run (None: done;
-        m, v, mean, var are filled when the map has run). The estimate update, tracking and the forward's
-        all-reduce: here, once per call."""
-        none = (None, None, None)
-        if not self._FIRST_STAGE:
-            (m, v, *_), first = be.plan_stats(part, shape)
-            return m, v, ('none', None, None, None), *none, first
-        rm, rv, nbt = self.running_mean, self.running_var, self._buffers.get('num_batches_tracked')
-        if not self.training:
-            (m, v, mean, var, *_), first = be.plan_stats(part, shape, STATS_FIXED, rm, rv)
-            return m, v, ('fixed', mean, var, None), *none, first
-        estimate = self.mode == 'estimate'
-        if self.sync_stats and world_size() > 1 and (estimate or self._SYNC_BATCH):
-            m, v = be.stats(part, shape)[:2]  # torch code reads them now: no deferred launch
-            return m, v, self._synced_stats(m, v, shape[2]), *none, None
-        count = shape[0] * shape[2]
-        backward = in_backward()  # a checkpoint's recomputation: the forward's values, no state change
-        if estimate:  # Algorithm 1, once per iteration
-            st = self._open_iteration(deferred=True)
-            first = st.total is None and not backward
-            (m, v, mean, var, moved, upd), pending = be.plan_stats(part, shape, STATS_ESTIMATE, rm, rv, st.base,
-                                                                   rate=st.rate, write=first)
-            record = None if backward else (lambda: self._record_call(st, moved, count))
-            return m, v, ('fixed', mean, var, None), (upd, rm, rv) if first else None, \
-                nbt if first else None, record, pending
-        (m, v, mean, var, _, upd), pending = be.plan_stats(part, shape, STATS_BATCH, rm, rv, momentum=self.momentum,
-                                                           write=not backward, nbt=nbt)
-        return m, v, ('batch', mean, var, count), None if backward else (upd, rm, rv), \
-            None if backward else nbt, None, pending
-
-    def _synced_stats(self, m, v, positions):
-        """The first stage across processes (torch code around the collectives), its side effects done."""
-        if self.mode == 'estimate':
-            mean, var = self.estimates_from_moments(m, v, positions)
-            return 'fixed', mean.to(m.dtype), var.to(m.dtype), None
-        mean, var, count = synced_batch_moments(m, v, positions)
-        if not in_backward():
-            self._track(mean, var, count)
-        return 'synced', mean, var, count
+    # --- the estimates, for the reference compositions ----------------------------------------------------------
+    def estimates_from_input(self, x: torch.Tensor):
+        """This training call's estimates (mean, var) from its input x (N, C, ...) for the reference compositions:
+        the per-(n, c) moments of x, then :meth:`Estimates.estimates`."""
+        with torch.no_grad():
+            xf = self.compute_input(x)
+            x3 = xf.reshape(xf.shape[0], xf.shape[1], math.prod(xf.shape[2:]))
+            if x3.numel():
+                v, m = torch.var_mean(x3, dim=2, correction=0)
+            else:  # no values (a RoI head without RoIs): a count of 0 below
+                m = v = x3.new_zeros(x3.shape[:2])
+            return self._estimates.estimates(m, v, x3.shape[2], self._buffers3(), self._rate, self.sync_stats)
 
     def _track(self, mean: torch.Tensor, var: torch.Tensor, count) -> None:
-        """Batch mode, outside the backends' stats step (the collective path, the reference compositions): the
+        """Batch mode, outside the backends' first stage (the collective path, the reference compositions): the
         running statistics after a batch of ``count`` values per channel (a tensor after an all-reduce)."""
         with torch.no_grad():
             nbt = self._buffers.get('num_batches_tracked')
@@ -262,66 +193,171 @@ class StatNorm2d(nn.Module):
             return y
         if torch.compiler.is_compiling() and self.__dict__.get('_op_marks_iteration', False):
             return y
-        return watch_backward(y)
+        if y.requires_grad:
+            y.register_hook(mark_on_backward)
+        return y
+
+    # --- forward --------------------------------------------------------------------------------------------
+    def _export_form(self, x: torch.Tensor) -> torch.Tensor:
+        """The output while the model is exported (``kernels.backend.exporting``): the layer's ``_eval_form(x)``,
+        eval mode's output as a short composition of standard ops that ONNX translates. Training-mode export of a
+        layer with a first stage is refused: a recorded graph cannot move statistics or estimates."""
+        if self.training and self._FIRST_STAGE:
+            raise ExportError(f'{type(self).__name__} exports in eval mode only (its training statistics and '
+                               f'estimate updates cannot be recorded): call model.eval() before exporting')
+        return self._eval_form(x)
+
+    def _statnorm_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output on a non-empty x (N, C, *positions), watched for the end of the iteration."""
+        if torch.compiler.is_compiling():  # one opaque operator for the compiler
+            from ..kernels.torch_op import compiled_call
+            if self.mode == 'estimate' and self.training:
+                self.__dict__['_op_marks_iteration'] = True  # its backward ends the iteration
+            return self._watch(compiled_call(self, x))
+        return self._statnorm_eager(x)
+
+    def _statnorm_eager(self, x: torch.Tensor, keep: Optional[list] = None) -> torch.Tensor:
+        """The output by the selected backend. ``keep`` (a list): no autograd graph; (backward state, backward
+        function) is appended to it instead (the torch.compile operator)."""
+        be = _BACKENDS[selected_backend(self, x)]()
+        try:
+            with be.guard(x):
+                return self._run(x, be, keep)
+        except be.compile_errors() as e:  # under 'auto': the ATen backend takes this call and the next
+            give_up_triton(self.backend, e)
+            self._estimates.drop_unfilled()
+        return self._run(x, AtenBackend, keep)
+
+    def _run(self, x, be, keep):
+        shape = x.shape
+        params = tuple(self._statnorm_params())
+        cd, out_dtype = self.stat_dtype(x, *params), self._output_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):
+            x3 = x.reshape(shape[0], shape[1], -1)
+            if x3.dtype != cd and x3.dtype not in _HALF:
+                x3 = x3.to(cd)  # e.g. float32 x with float64 parameters
+            x3, stats, kind, count, step = self._first_stage(be, x3)
+            kernel = be.kernel_maps and kind != 'synced'  # the kernel maps take no all-reduced count
+            maps = self._coeff_maps(kernel)
+            call = _Call(be, maps, self._coeff_maps(False) if kernel else maps, kernel, kind, count,
+                         self._statnorm_act(), out_dtype, self.backend, self.mode == 'estimate' and self.training)
+            needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(
+                p is not None and p.requires_grad for p in params))
+            if keep is not None:
+                ctx = _OpContext(x3)
+                y = _forward(ctx, x3, call, stats, params)
+                keep.append((ctx, _op_backward))
+                needs_grad = False
+            elif not needs_grad:  # eval / no_grad: nothing kept
+                y = be.apply(x3, stats, _map(call, stats, params, x3.shape[2])[0], call.act, out_dtype)[0]
+            else:
+                y = _StatNormFn.apply(x3, call, stats, *params)
+        if step is not None:  # after the kernels ran: the iteration's bookkeeping in Python
+            self._estimates.end(step, stats.moved, x3.shape[0] * x3.shape[2], self._buffers3())
+        return self._watch(_reshaped_base(y, shape) if not needs_grad else y.view(shape))
+
+    def _first_stage(self, be, x3):
+        """(x3 as the backend reads it, :class:`Statistics`, kind, count, the estimates' open iteration to close
+        after the kernels or None): the estimate update, tracking and the forward's all-reduce, once per call."""
+        if not self._FIRST_STAGE:
+            return (*be.first_stage(x3, StatsRequest()), 'none', None, None)
+        rm, rv, nbt = self._buffers3()
+        if not self.training:
+            return (*be.first_stage(x3, StatsRequest(STATS_FIXED, rm, rv)), 'fixed', None, None)
+        estimate = self.mode == 'estimate'
+        if self.sync_stats and (estimate or self._SYNC_BATCH) and dist.is_available() and dist.is_initialized() \
+                and dist.get_world_size() > 1:  # torch code around the collectives reads m, v now
+            x3, st = be.first_stage(x3, StatsRequest(), deferred=False)
+            kind, mean, var, count = self._synced_stats(st.m, st.v, x3.shape[2])
+            return x3, st._replace(mean=mean, var=var), kind, count, None
+        count = x3.shape[0] * x3.shape[2]
+        if estimate:  # Algorithm 1, once per iteration
+            it, backward = self._estimates.begin((rm, rv, nbt), self._rate, deferred=True)
+            first = it.total is None and not backward
+            request = StatsRequest(STATS_ESTIMATE, rm, rv, it.base, it.rate, write=first, nbt=nbt if first else None)
+            return (*be.first_stage(x3, request), 'fixed', None, None if backward else it)
+        backward = in_backward()  # a checkpoint's recomputation: the forward's values, no state change
+        request = StatsRequest(STATS_BATCH, rm, rv, momentum=self.momentum, write=not backward,
+                               nbt=None if backward else nbt)
+        return (*be.first_stage(x3, request), 'batch', count, None)
+
+    def _synced_stats(self, m, v, positions):
+        """(kind, mean, var, count) across processes (torch code around the collectives), side effects done."""
+        if self.mode == 'estimate':
+            mean, var = self._estimates.estimates(m, v, positions, self._buffers3(), self._rate, True)
+            return 'fixed', mean.to(m.dtype), var.to(m.dtype), None
+        mean, var, count = synced_batch_moments(m, v, positions)
+        if not in_backward():
+            self._track(mean, var, count)
+        return 'synced', mean, var, count
 
 
 # --- the autograd Function ------------------------------------------------------------------------------------
-def _forward(ctx, x3, call, effects, params):
-    kind, mean, var, count = call.stats
-    coeffs, res = call.maps[0](call.m, call.v, mean, var, params, x3.shape[2], count, **call.fold)
-    call.fold = {}  # the first stage ran in the map: the values are there for the backward
-    ctx.call, ctx.pc, ctx.res, ctx.params = call, call.backend.prepare(coeffs, call.v), res, params
+class _OpContext:
+    """The torch.compile operator's stand-in for an autograd context."""
+    needs_input_grad = (True, )
+
+    def __init__(self, x3):
+        self.saved_tensors = (x3, )
+
+
+def _map(call: _Call, stats: Statistics, params, positions):
+    """The coefficient map of this call (running a planned first stage in its launch)."""
+    first = {} if stats.plan is None else {'first': stats.plan}
+    return call.maps[0](stats.m, stats.v, stats.mean, stats.var, params, positions, call.count, **first)
+
+
+def _forward(ctx, x3, call: _Call, stats: Statistics, params):
+    coeffs, res = _map(call, stats, params, x3.shape[2])
+    y, ctx.pc = call.backend.apply(x3, stats, coeffs, call.act, call.out_dtype)
+    # the backward needs the moments and statistics only (the plan ran, the buffers are written)
+    ctx.call, ctx.stats, ctx.res, ctx.params = call, stats._replace(update=None, plan=None, out=None), res, params
     ctx.param_dtypes = [None if p is None else p.dtype for p in params]
-    return call.backend.apply(x3, call.m, call.v, ctx.pc, call.act, call.out_dtype, *effects)
+    return y
 
 
 def _backward(ctx, x3, dy):
     """(dx, dparams) for dy in x3's shape and dtype."""
-    call, pc = ctx.call, ctx.pc
-    be, m, v, act = call.backend, call.m, call.v, call.act
-    kind, mean, var, count = call.stats
-    # the Triton maps add the chunks' partial sums as they load them: no merge launch
-    grads, state = be.sums(x3, dy, m, v, pc, act, merged=not call.triton_maps)
-    # at large N the Triton maps may leave their sums over the samples as sample blocks' partials (a
-    # ``second_stage.BlockSums`` in place of dparams), which dx sums in its own launch
-    defer = {'defer': True} if call.triton_maps else {}
-    dm, dv, dmean, dvar, dparams = call.maps[1](ctx.res, grads, kind in ('batch', 'synced'), **defer)
-    later = dparams if hasattr(dparams, 'finish') else None
-    if later is not None:
-        dparams = later.params
-        if kind == 'synced' or not ctx.needs_input_grad[0]:  # no dx launch to sum them: torch does
-            dmean, dvar = later.finish()
-            later = None
-    if kind == 'synced':  # every process joins the VJP's all-reduces, whether it needs dx or not
-        dm, dv = synced_batch_moments_vjp(m, mean, count, x3.shape[2], dm, dv, dmean, dvar)
+    call, stats, pc = ctx.call, ctx.stats, ctx.pc
+    be, act = call.backend, call.act
+    # the kernel maps add the chunks' partial sums as they load them: no merge launch
+    grads, state = be.sums(x3, dy, stats, pc, act, merged=not call.kernel_maps)
+    # at large N the kernel maps may leave their sums over the samples as sample blocks' partials (PendingSums in
+    # place of dparams), which dx sums in its own launch
+    defer = {'defer': True} if call.kernel_maps else {}
+    dm, dv, dmean, dvar, dparams = call.maps[1](ctx.res, grads, call.kind in ('batch', 'synced'), **defer)
+    pending = dparams if isinstance(dparams, PendingSums) else None
+    if pending is not None:
+        dparams = pending.params
+        if call.kind == 'synced' or not ctx.needs_input_grad[0]:  # no dx launch to sum them: torch does
+            dmean, dvar = pending.finish()
+            pending = None
+    if call.kind == 'synced':  # every process joins the VJP's all-reduces, whether it needs dx or not
+        dm, dv = synced_batch_moments_vjp(stats.m, stats.mean, call.count, x3.shape[2], dm, dv, dmean, dvar)
     dx = None
     if ctx.needs_input_grad[0]:
-        batch = (mean, dmean, dvar, 1.0 / x3.shape[0]) if kind == 'batch' else None
-        dx = be.dx(x3, dy, m, v, pc, dm, dv, grads[1], act, batch, state,
-                   **({} if later is None else {'finish': later}))
+        batch = (stats.mean, dmean, dvar, 1.0 / x3.shape[0]) if call.kind == 'batch' else None
+        dx = be.dx(x3, dy, stats, pc, dm, dv, grads[1], act, batch, state, pending)
     dparams = [None if d is None or t is None else d.to(t) for d, t in zip(dparams, ctx.param_dtypes)]
     return dx, dparams
 
 
 def _backward_or_fallback(ctx, dy):
     x3, = ctx.saved_tensors
+    be = ctx.call.backend
     with torch.autocast(x3.device.type, enabled=False):
-        dy = dy.reshape(x3.shape)  # dy may be expanded (the grad of a sum)
-        call = ctx.call
-        dy = call.backend.grad_layout(dy, x3)  # once, for both backward passes
-        errors = _backend.compile_errors() if call.backend is not AtenBackend else ()
+        dy = be.grad_layout(dy.reshape(x3.shape), x3)  # dy may be expanded (the grad of a sum); once for both passes
         try:
-            if call.backend is AtenBackend:
+            with be.guard(x3):  # autograd may run the backward with another device current
                 return _backward(ctx, x3, dy)
-            with _backend.device_guard(x3):  # autograd may run the backward with another device current
-                return _backward(ctx, x3, dy)
-        except errors as e:  # a Triton backward kernel failed to compile: ATen, from the same statistics
-            _backend.give_up_triton(call.option, e)
-            ctx.call = call = types.SimpleNamespace(**{**vars(call), 'backend': AtenBackend,
-                                                       'maps': call.fallback_maps, 'triton_maps': False})
-            kind, mean, var, count = call.stats
-            coeffs, ctx.res = call.maps[0](call.m, call.v, mean, var, ctx.params, x3.shape[2], count)
-            ctx.pc = AtenBackend.prepare(coeffs, call.v)
+        except be.compile_errors() as e:  # a backward kernel failed to compile: ATen, from the same statistics
+            give_up_triton(ctx.call.option, e)
+            ctx.call = call = dataclasses.replace(ctx.call, backend=AtenBackend, maps=ctx.call.torch_maps,
+                                                  kernel_maps=False)
+            stats = ctx.stats
+            coeffs, ctx.res = call.maps[0](stats.m, stats.v, stats.mean, stats.var, ctx.params, x3.shape[2],
+                                           call.count)
+            ctx.pc = AtenBackend.prepare(coeffs, stats.v)
             return _backward(ctx, x3, dy)
 
 
@@ -336,47 +372,15 @@ def _op_backward(ctx, dy):
 class _StatNormFn(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x3, call, effects, *params):
+    def forward(ctx, x3, call, stats, *params):
         ctx.save_for_backward(x3)  # x only: channel-sized tensors are kept as attributes
-        return _forward(ctx, x3, call, effects, params)
+        return _forward(ctx, x3, call, stats, params)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         dx, dparams = _backward_or_fallback(ctx, dy)
         return (dx, None, None, *dparams)
-
-
-# --- batch statistics across processes ------------------------------------------------------------------------
-def synced_batch_moments(m: torch.Tensor, v: torch.Tensor, positions: int):
-    """Per-channel mean and biased variance over every process's batch from the per-(n, c) moments, and the
-    count of values per channel (a tensor), in two all-reduces: the squares around the global mean, so no
-    E[x^2] - E[x]^2 cancellation. Outside autograd."""
-    with torch.no_grad():
-        count = m.new_full((1, ), m.shape[0] * positions)  # not new_tensor: no host-to-device copy
-        packed = torch.cat([m.sum(0) * positions, count])
-        dist.all_reduce(packed)
-        total = packed[-1]
-        mean = packed[:-1] / total.clamp(min=1)
-        d = m - mean
-        sq = torch.addcmul(v, d, d).sum(0) * positions
-        dist.all_reduce(sq)
-        return mean, sq / total.clamp(min=1), total
-
-
-def synced_batch_moments_vjp(m, mean, count, positions, dm, dv, dmean, dvar):
-    """dm, dv plus the VJP of :func:`synced_batch_moments` for (dmean, dvar): the all-reduces of the moment
-    gradients, in the order and sizes autograd of the forward's all-reduces issues them (var's C, then the
-    packed C + 1), so that a process taking the reference path (an empty input) pairs with them."""
-    d = m - mean
-    total = count.clamp(min=1)
-    g_sq = dvar / total
-    dist.all_reduce(g_sq)
-    g_mean = dmean - (2 * positions) * g_sq * d.sum(0)  # through sq's (x - mean)
-    packed = torch.cat([g_mean / total, g_mean.new_zeros(1)])  # the count's slot: not differentiated
-    dist.all_reduce(packed)
-    dm = dm + torch.addcmul(positions * packed[:-1], d, g_sq, value=2 * positions)
-    return dm, dv + positions * g_sq
 
 
 def _reshaped_base(y: torch.Tensor, shape) -> torch.Tensor:
@@ -388,51 +392,3 @@ def _reshaped_base(y: torch.Tensor, shape) -> torch.Tensor:
     except RuntimeError:  # not viewable in that shape: a copy, a tensor of its own anyway
         return y.reshape(shape)
     return y.new_empty(0).set_(y.untyped_storage(), y.storage_offset(), shape, strides)
-
-
-def check_group_values(x: torch.Tensor, num_channels: int, num_groups: int, layer: str) -> None:
-    """Group normalization of a group holding a single value outputs its bias alone, with a zero gradient
-    to everything before it (torch's own group_norm accepts it silently): say why and what to change.
-
-    The group statistics are per sample, so what counts is a group's values *within one sample*:
-    channels per group x H x W, whatever the batch size (a batch of 2 on a 1x1 map with one channel per
-    group is as degenerate as a batch of 1). An empty batch has no group to normalize and passes.
-    Shapes only, no host sync."""
-    per_group = num_channels // num_groups
-    values = per_group
-    for size in x.shape[2:]:
-        values *= size
-    if values == 1 and x.shape[0] > 0:
-        raise ValueError(
-            f'{layer}: each group holds a single value per sample (input {tuple(x.shape)}, {per_group} channel '
-            f'per group), which group normalization maps to its bias alone; use num_groups <= '
-            f'{max(num_channels // 2, 1)} (>= 2 channels per group) for 1x1 maps or (N, C) inputs')
-
-
-def device_autocast(device_type: str) -> Tuple[bool, torch.dtype]:
-    if hasattr(torch, 'get_autocast_dtype'):  # torch >= 2.4: per-device-type queries
-        return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
-    if device_type == 'cpu':
-        return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
-    if device_type == 'cuda':
-        return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
-    raise RuntimeError(f'no autocast state query for {device_type!r} before torch 2.4')
-
-
-def autocast_enabled(device_type: str) -> bool:
-    """Whether autocast is on for ``device_type`` (any torch version; False where it has no autocast)."""
-    try:
-        return device_autocast(device_type)[0]
-    except RuntimeError:
-        return False
-
-
-def set_fused(module: nn.Module, fused: bool = True) -> int:
-    """Switch every StatNorm layer (BCN, GN+PN, Unitization) in ``module`` between the engine (True) and the
-    reference composition (False); returns how many were switched."""
-    n = 0
-    for mod in module.modules():
-        if isinstance(mod, StatNorm2d):
-            mod.fused = bool(fused)
-            n += 1
-    return n

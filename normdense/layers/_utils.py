@@ -1,9 +1,12 @@
 """Small helpers of the layers: the float64 arithmetic of the eval-time maps (``eval_affine`` /
-``eval_linear``, folded by ``normdense.deploy.fuse``) and the per-channel affine parameters."""
+``eval_linear``, folded by ``normdense.deploy.fuse``), the per-channel affine parameters, autocast queries,
+:func:`set_fused`, and :func:`exporting` (defined with the backend choice it overrides)."""
 from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
+
+from ..kernels.backend import exporting  # noqa: F401  (the layers' name for it)
 
 
 def f64(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -34,12 +37,31 @@ def affine_parameters(module: nn.Module, num_features: int, affine: bool) -> Non
         module.register_parameter('bias', None)
 
 
-def exporting() -> bool:
-    """True while a graph of the model is recorded for another runtime: either of torch.onnx's exporters
-    (TorchScript, dynamo), torch.export or torch.jit.trace. The StatNorm layers then run their eval form of
-    standard ops (:meth:`StatNorm2d._export_form`): the engine's autograd Function and its torch.library
-    operator have no ONNX translation, and a recorded graph keeps none of the engine's Python state."""
-    return torch.onnx.is_in_onnx_export() or torch.jit.is_tracing() or _is_exporting()
+def device_autocast(device_type: str) -> Tuple[bool, torch.dtype]:
+    if hasattr(torch, 'get_autocast_dtype'):  # torch >= 2.4: per-device-type queries
+        return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    if device_type == 'cpu':
+        return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+    if device_type == 'cuda':
+        return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
+    raise RuntimeError(f'no autocast state query for {device_type!r} before torch 2.4')
 
 
-_is_exporting = getattr(torch.compiler, 'is_exporting', lambda: False)  # torch >= 2.5 has it
+def autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` (any torch version; False where it has no autocast)."""
+    try:
+        return device_autocast(device_type)[0]
+    except RuntimeError:
+        return False
+
+
+def set_fused(module: nn.Module, fused: bool = True) -> int:
+    """Switch every StatNorm layer (BCN, GN+PN, Unitization) in ``module`` between the engine (True) and the
+    reference composition (False); returns how many were switched."""
+    from ._statnorm import StatNorm2d
+    n = 0
+    for mod in module.modules():
+        if isinstance(mod, StatNorm2d):
+            mod.fused = bool(fused)
+            n += 1
+    return n

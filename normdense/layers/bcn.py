@@ -57,35 +57,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._distributed import reference_synced_moments, world_size
 from ._estimate import EstimateRateMixin, in_backward
-from ._estimate import world_size as _world_size
-from ._statnorm import StatNorm2d, check_group_values
+from ._statnorm import StatNorm2d
 from ._utils import exporting, standardization_affine
-from .groups import group_policy, resolve_groups
+from .groups import check_group_values, group_policy, resolve_groups
 
 BCN_MODES = ('batch', 'estimate')
-
-
-def _synced_batch_moments(x: torch.Tensor):
-    """Differentiable per-channel mean and biased variance over every process's batch (batch mode).
-
-    Kept beside the engine's ``_statnorm.synced_batch_moments`` (not built on it): autograd through these
-    all-reduces is the independent check of the engine's hand-written ``synced_batch_moments_vjp``, and it is
-    what a process with an empty input (which takes this path) runs to pair with the other processes' VJP.
-
-    In float32 for half inputs (a count of 121600 values is inf in fp16, and half sums lose the mean), and
-    in two passes: the squares are summed around the global mean, so there is no E[x^2] - E[x]^2
-    cancellation (NaN statistics in fp16, a wrong mean in bf16), at the price of a second all-reduce."""
-    from torch.distributed.nn.functional import all_reduce
-    xf = StatNorm2d.compute_input(x)
-    with torch.autocast(x.device.type, enabled=False):
-        dims = [0, 2, 3]
-        count = xf.new_full((1, ), xf.numel() // xf.shape[1])  # not new_tensor: no host-to-device copy
-        packed = all_reduce(torch.cat([xf.sum(dims), count]))
-        total = packed[-1]
-        mean = packed[:-1] / total.clamp(min=1)  # every rank empty: 0, not 0/0 (running stats stay)
-        sq = all_reduce((xf - mean.view(1, -1, 1, 1)).square().sum(dims))
-        return mean, sq / total.clamp(min=1), total
 
 
 class BCNConfig(NamedTuple):
@@ -210,7 +188,7 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
             # Copies in eval: the graph must not hold the buffers that a later call updates in place
             mean, var = self.estimates_from_input(x) if self.training else (self.running_mean.clone(),
                                                                             self.running_var.clone())
-        elif self.training and self.sync_stats and _world_size() > 1:
+        elif self.training and self.sync_stats and world_size() > 1:
             mean, var = self._reference_synced_stats(x)
         elif x.numel() == 0:  # no samples (e.g. zero RoIs): nothing to normalize or to track
             mean, var = self.running_mean, self.running_var
@@ -227,8 +205,11 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
         return self._affine(x, mean, var, self.batch_weight, self.batch_bias)
 
     def _reference_synced_stats(self, x):
-        """Batch mode across processes: differentiable synced moments, running statistics updated."""
-        mean, var, count = _synced_batch_moments(x)
+        """Batch mode across processes: differentiable synced moments (``_distributed.reference_synced_moments``,
+        not the engine's: autograd through it checks the engine's hand-written VJP), running statistics updated.
+        In float32 for half inputs (a count of 121600 values is inf in fp16, and half sums lose the mean)."""
+        with torch.autocast(x.device.type, enabled=False):
+            mean, var, count = reference_synced_moments(self.compute_input(x))
         if not in_backward():
             self._track(mean.detach(), var.detach(), count)
         return mean, var
@@ -254,15 +235,14 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
         if x.dim() != 4:
             raise ValueError(f'BatchChannelNorm2d expects (N, C, H, W), (N, C, L) or (N, C) input, got shape '
                              f'{tuple(x.shape)}')
-        check_group_values(x, self.num_channels, self.num_groups, 'BatchChannelNorm2d')
+        if self.num_groups == self.num_channels:  # only one channel per group can make a single-value group
+            check_group_values(x, self.num_channels, self.num_groups, 'BatchChannelNorm2d')
         if exporting():
             return self._export_form(x)
         if self.fused and self._fusable(x):
-            y = self._statnorm_forward(x)
-        else:
-            # the engine's dtype policy (StatNorm2d): under CUDA autocast F.group_norm returns float32
-            y = self._channel_stage(self._batch_stage(x), self.weight, self.bias).to(x.dtype)
-        return self._watch(y)
+            return self._statnorm_forward(x)
+        # the engine's dtype policy (StatNorm2d): under CUDA autocast F.group_norm returns float32
+        return self._watch(self._channel_stage(self._batch_stage(x), self.weight, self.bias).to(x.dtype))
 
     def _eval_form(self, x):
         """The eval output in standard ops (ONNX export): Eq. 40 with the running statistics or estimates as one
@@ -311,63 +291,8 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
 
     @classmethod
     def convert_norm(cls, module: nn.Module, num_groups: int = 32, **bcn_kwargs) -> nn.Module:
-        """Swap every ``nn.BatchNorm2d`` (incl. SyncBatchNorm) and ``nn.GroupNorm`` in ``module`` (or
-        ``module`` itself) for a BCN, in the style of detectron2's ``convert_frozen_batchnorm``.
-
-        What carries over:
-        * BatchNorm2d -> its running mean/var become BCN's first-stage statistics (the estimates in
-          ``'estimate'`` mode) and its weight/bias become gamma^b/beta^b, so the first stage computes
-          exactly the eval-mode BN; the channel stage starts at identity affine (a GN on top).
-        * GroupNorm -> its weight/bias become the channel stage's (needs ``group_affine=False`` unless
-          they are constant within each group); ``num_groups`` is taken from the GN; the first stage
-          starts as identity (estimates 0 and 1).
-        Returns the converted module (a new object only when ``module`` itself is a norm layer).
-        """
-        new = _to_bcn(cls, module, num_groups, bcn_kwargs)
-        if new is not None:
-            return new
-        for name, child in module.named_children():
-            converted = cls.convert_norm(child, num_groups, **bcn_kwargs)
-            if converted is not child:
-                setattr(module, name, converted)
-        return module
-
-
-def _to_bcn(cls, module, num_groups, bcn_kwargs):
-    tensors = list(module.parameters()) + list(module.buffers())
-    # build on the source's device and float dtype before copying, so nothing is rounded
-    place = dict(device=tensors[0].device, dtype=next((t.dtype for t in tensors if t.is_floating_point()),
-                                                      None)) if tensors else {}
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
-        bcn = cls(module.num_features, num_groups=num_groups, eps=module.eps, **bcn_kwargs).to(**place)
-    elif type(module) is nn.GroupNorm:
-        bcn = cls(module.num_channels, num_groups=module.num_groups, eps=module.eps, **bcn_kwargs).to(**place)
-    else:
-        return None
-    copy_norm_into_bcn(bcn, module)
-    bcn.train(module.training)
-    return bcn
-
-
-def copy_norm_into_bcn(bcn: BatchChannelNorm2d, module: nn.Module) -> None:
-    """A BatchNorm's running statistics and affine into BCN's first stage (which then computes the eval-mode
-    BN), or a GroupNorm's affine into its channel stage (``ValueError`` where a per-group affine cannot hold
-    it: the GN's varies within a group)."""
-    with torch.no_grad():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            if module.track_running_stats and module.running_mean is not None:
-                bcn.running_mean.copy_(module.running_mean)
-                bcn.running_var.copy_(module.running_var)
-            if module.affine:
-                bcn.batch_weight.copy_(module.weight)
-                bcn.batch_bias.copy_(module.bias)
-        elif module.affine:
-            weight, bias = module.weight, module.bias
-            if bcn.group_affine:
-                per_group = weight.view(bcn.num_groups, -1), bias.view(bcn.num_groups, -1)
-                if any((t - t[:, :1]).abs().max() > 0 for t in per_group):
-                    raise ValueError('GroupNorm affine varies within a group; convert with group_affine=False '
-                                     'to keep it')
-                weight, bias = per_group[0][:, 0], per_group[1][:, 0]
-            bcn.weight.copy_(weight)
-            bcn.bias.copy_(bias)
+        """Swap every ``nn.BatchNorm2d`` (incl. SyncBatchNorm) and ``nn.GroupNorm`` in ``module`` (or ``module``
+        itself) for a BCN, in the style of detectron2's ``convert_frozen_batchnorm``:
+        ``layers/_convert.py``'s :func:`convert_to_bcn`, which says what carries over."""
+        from ._convert import convert_to_bcn
+        return convert_to_bcn(cls, module, num_groups, **bcn_kwargs)

@@ -40,9 +40,9 @@ import torch.nn.functional as F
 
 from ._activations import PROXY_NORM_ACTIVATIONS, activation
 from ._activations import resolve_activation as _resolve_activation
-from ._statnorm import StatNorm2d, check_group_values
+from ._statnorm import StatNorm2d
 from ._utils import exporting
-from .groups import group_policy, resolve_groups
+from .groups import check_group_values, group_policy, resolve_groups
 
 __all__ = ['GroupProxyNorm', 'proxy_quantiles', 'PROXY_NORM_ACTIVATIONS']
 
@@ -295,7 +295,8 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
         if x.dim() < 2 or x.size(1) != self.num_channels:
             raise ValueError(f'GNPN expects input (N, {self.num_channels}, ...), '
                              f'got shape {tuple(x.shape)}')
-        check_group_values(x, self.num_channels, self.num_groups, 'GNPN')
+        if self.num_groups == self.num_channels:  # only one channel per group can make a single-value group
+            check_group_values(x, self.num_channels, self.num_groups, 'GNPN')
         if exporting():
             return self._export_form(x)
         if self.fused and x.numel() > 0:

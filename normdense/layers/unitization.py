@@ -222,7 +222,7 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
                              f'got shape {tuple(x.shape)}')
         if exporting():
             return self._export_form(x)
-        return self._watch(self._forward(x))
+        return self._forward(x)
 
     def _eval_form(self, x: torch.Tensor) -> torch.Tensor:
         """The eval output in standard ops (ONNX export): both stages with the running statistics or estimates."""
@@ -237,12 +237,12 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
             # the other ranks' all-reduce of the update (with a count of 0), so the collectives line up.
             if self.mode == 'estimate' and self.training:
                 self._stage1_stats(self.compute_input(x))
-            return x * 0 + sum(p.sum() for p in self.parameters()) * 0
+            return self._watch(x * 0 + sum(p.sum() for p in self.parameters()) * 0)
         if self.fused and (self.mode == 'estimate' or not self.training or x.numel() // x.shape[1] > 1):
             return self._statnorm_forward(x)
         xf = self.compute_input(x)
         mean, var = self._stage1_stats(xf)
-        return self._unitize(xf, mean, var, self.alpha, self.weight, self.bias).to(x.dtype)
+        return self._watch(self._unitize(xf, mean, var, self.alpha, self.weight, self.bias).to(x.dtype))
 
     def _statnorm_params(self):
         return self.alpha, self.weight, self.bias

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._statnorm import autocast_enabled
+from ._utils import autocast_enabled
 
 # Checkpoints store a formula as its index here: append new formulas, never reorder.
 WS_FORMULAS = ('paper', 'std_unbiased', 'var_unbiased')
