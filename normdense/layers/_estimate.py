@@ -1,20 +1,12 @@
 """Estimated statistics updated at a rate r: Algorithm 1 (steps 1-4) of Qiao et al., "Micro-Batch Training
-with Batch-Channel Normalization and Weight Standardization" (arXiv:1903.10520), shared by every layer
-that normalizes with such estimates (BCN's ``mode='estimate'``, Unitization's ``mode='estimate'``).
+with Batch-Channel Normalization and Weight Standardization" (arXiv:1903.10520), for BCN's and Unitization's
+``mode='estimate'``. Steps 1-4 in torch are ``kernels.backend.estimate_moments`` / ``estimate_step``; here: the
+rate state (:class:`EstimateRateMixin`), the once-per-iteration bookkeeping (:class:`Estimates`, which the engine
+owns and hands the buffers) and :func:`set_update_rate`.
 
-Steps 1-4 in torch are ``normdense.kernels.backend.estimate_moments`` / ``estimate_step`` (the Triton stats
-kernel transcribes them). Here: the rate state and its range check (:class:`EstimateRateMixin`, which the hook
-that feeds r from the learning rate dispatches on), the once-per-iteration bookkeeping (:class:`Estimates`, a
-component the engine owns: it is handed the buffers and the rate and calls nothing of the layer), and the
-loop-side setter :func:`set_update_rate`.
-
-The estimates move once per training iteration, however often a layer is called in it (a head shared over
-FPN levels, an activation checkpoint's recomputation in backward): :meth:`Estimates.estimates` says how the calls
-of an iteration combine, :func:`mark_iteration` what ends one.
-
-r must lie in [0, 1]: each step moves an estimate by ``r * (batch moment - estimate)``, so r > 1
-overshoots and the variance estimate can turn negative (NaN in the next normalization). r = 0 freezes the
-estimates.
+The estimates move once per training iteration, however often a layer is called in it (a head shared over FPN
+levels, a checkpoint's recomputation in backward); :func:`mark_iteration` ends one. r must lie in [0, 1]: r > 1
+overshoots and the variance estimate can turn negative; r = 0 freezes the estimates.
 """
 import math
 from typing import Optional
@@ -47,22 +39,20 @@ def check_rate(rate, who: str = 'update rate r') -> float:
 
 
 def _rate(rate: float, count, dtype):
-    """r, or 0 where no values stand behind the moments: for a tensor count (all-reduced) a tensor in ``dtype``
-    (r in float32 would be off by ~1e-8), not an ``if`` that reads it (a host sync)."""
+    """r, or 0 where no values stand behind the moments; for an all-reduced count a tensor in ``dtype`` (no host
+    sync)."""
     if isinstance(count, torch.Tensor):
         return (count > 0).to(dtype) * rate
     return rate if count > 0 else 0.0
 
 
-# --- once per iteration ---------------------------------------------------------------------------------
-# A training iteration, for the estimates, ends when gradients have flowed back through any estimate-mode
-# layer, or when EstimateRateHook / set_update_rate / mark_iteration marks a new one; both bump this token.
-_TOKEN = [0]  # why: one counter shared by every layer and the hook, without a reference to either
+# An iteration ends when gradients flow back through an estimate-mode layer or the hook / set_update_rate marks
+# one: one counter shared by every layer and the hook, without a reference to either.
+_TOKEN = [0]
 
 
 def mark_iteration() -> None:
-    """Start a new training iteration for every estimate-mode layer (their next training call opens it).
-    ``EstimateRateHook`` and :func:`set_update_rate` call it; so does a backward through any such layer."""
+    """Start a new training iteration for every estimate-mode layer (their next training call opens it)."""
     _TOKEN[0] += 1
 
 
@@ -72,26 +62,23 @@ def mark_on_backward(grad) -> None:
 
 
 def in_backward() -> bool:
-    """True while the autograd engine runs a backward pass on this thread: a forward then is an activation
-    checkpoint's recomputation (torch.utils.checkpoint, both modes; mmdet/mmseg ``with_cp=True``)."""
+    """True while autograd runs a backward on this thread: a forward then is a checkpoint's recomputation."""
     task = getattr(torch._C, '_current_graph_task_id', None)
     return task is not None and task() != -1
 
 
 class _Iteration:
-    """One training iteration of one layer: the estimates it started from, the rate, the summed moments of
-    its calls so far, and (with sync) each call's local and all-reduced sums for the recomputation."""
+    """One training iteration of one layer: the estimates (2, C) it started from, r (read once), the summed
+    moments of its calls so far, and (with sync) each call's local and all-reduced sums for a recomputation."""
 
     def __init__(self, token, base, rate):
-        # base: (2, C) copy of (estimated mean, estimated variance) at the iteration's start; rate: r, read
-        # once (a recomputation in backward uses the forward's)
         self.token, self.base, self.mean, self.var, self.rate = token, base, base[0], base[1], rate
         self.total = None  # (moments (2, C), count) of the calls so far
         self.local, self.synced = [], []
 
     def synced_sums(self, local):
-        """The all-reduced sums of the forward call whose local sums ``local`` are (a recomputation repeats
-        them bit for bit): found on the device, without a collective or a host sync."""
+        """The all-reduced sums of the forward call whose local sums a recomputation repeats: on the device, no
+        collective, no host sync."""
         if not self.local:
             raise RuntimeError('an estimate-mode layer is recomputed in backward but was not called in this '
                                "iteration's forward")
@@ -100,21 +87,19 @@ class _Iteration:
 
 
 class Estimates:
-    """One layer's estimates across the calls of a training iteration (the engine, ``StatNorm2d``, owns one). The
-    caller hands over the buffers (running_mean, running_var, num_batches_tracked) and a function giving r; nothing
-    here calls the layer."""
+    """One layer's estimates across the calls of an iteration, owned by the engine, which hands over the buffers
+    (running_mean, running_var, num_batches_tracked) and a function giving r."""
 
     def __init__(self):
         self.iteration = None  # the open _Iteration
 
     def reset(self) -> None:
-        """New buffers (a load, a move to another device or dtype): the next call opens a new iteration."""
+        """New buffers (a load, a move): the next call opens a new iteration."""
         self.iteration = None
 
     def begin(self, buffers, rate, deferred: bool = False):
-        """(this training iteration's state, whether this call is a recomputation in backward), the iteration
-        opened on its first call (num_batches_tracked counts iterations, not calls). ``deferred``: the backend's
-        first stage fills ``base`` (an empty (2, C) here) and counts num_batches_tracked (no launch here)."""
+        """(this iteration's state, whether this call is a recomputation), opened on the iteration's first call;
+        ``deferred``: the backend's first stage fills ``base`` and counts num_batches_tracked (no launch here)."""
         st = self.iteration
         if in_backward():  # a recomputation: the forward's iteration
             if st is None:
@@ -135,17 +120,12 @@ class Estimates:
             self.iteration = None
 
     def estimates(self, m: torch.Tensor, v: torch.Tensor, positions: int, buffers, rate, sync: bool):
-        """This training call's estimates (mean, var) from the per-(n, c) moments m, v (N, C) of its input, in
-        torch (the reference compositions, the engine's all-reduced path).
+        """This call's estimates (mean, var) from its per-(n, c) moments m, v (N, C), in torch.
 
-        Algorithm 1 with an iteration of several calls (a head shared over FPN levels, activation
-        checkpointing's recomputation): a call normalizes with the iteration's starting estimates moved by r
-        towards *its own* moments (steps 3-4 as if it were the iteration's only call: exactly Algorithm 1 for
-        one call, and the same for every call order); the buffers then hold the starting estimates moved by r
-        towards the moments of all the iteration's calls together (one move of r per iteration). With ``sync``
-        the moments are all-reduced first (exact for unequal batches; a process without samples joins with a
-        count of 0). A recomputation in backward returns the forward call's values and changes nothing (no
-        collective either: the forward's all-reduced moments are kept for it)."""
+        A call normalizes with the iteration's starting estimates moved by r towards its own moments (exactly
+        Algorithm 1 for one call, the same for any call order); the buffers hold them moved towards all the
+        iteration's calls' moments (one move per iteration). ``sync``: the moments all-reduced first (a process
+        without samples joins with a count of 0). A recomputation returns the forward's values, no collective."""
         st, backward = self.begin(buffers, rate)
         with torch.no_grad():
             count = m.shape[0] * positions
@@ -162,7 +142,7 @@ class Estimates:
 
     @staticmethod
     def _all_reduced(st: '_Iteration', moments: torch.Tensor, count: int, backward: bool):
-        """(moments, count tensor) over every process; a recomputation in backward finds the forward's."""
+        """(moments, count tensor) over every process; a recomputation finds the forward's."""
         local = pack(moments, count)
         if backward:
             return unpack(st.synced_sums(local))
@@ -174,9 +154,8 @@ class Estimates:
 
     @staticmethod
     def end(st: _Iteration, moments: torch.Tensor, count, buffers) -> None:
-        """After a call with moments (2, C) over ``count`` values (an int, or a tensor after an all-reduce) whose
-        buffers, as the iteration's first call, are set already: the iteration's running total, and for a later
-        call the buffers moved towards it."""
+        """After a call with moments (2, C) over ``count`` values: the iteration's total, and (after its first
+        call, which set them) the buffers moved towards it."""
         if st.total is None:
             st.total = (moments, count)
             return
@@ -191,10 +170,8 @@ class Estimates:
 
 
 class EstimateRateMixin:
-    """Rate state of a layer with estimate-mode statistics: r is ``update_rate`` when fixed, else the
-    ``current_rate`` that :class:`~normdense.hooks.estimate_rate.EstimateRateHook` or :func:`set_update_rate` sets
-    before each iteration; both are range-checked where they are set. The layer calls :meth:`_init_estimate_rate`
-    in its constructor."""
+    """Rate state of an estimate-mode layer: r is ``update_rate`` when fixed, else the ``current_rate`` that
+    ``EstimateRateHook`` or :func:`set_update_rate` sets before each iteration (range-checked where set)."""
 
     def _init_estimate_rate(self, mode: str, update_rate: Optional[float]) -> None:
         name = type(self).__name__
@@ -222,9 +199,8 @@ class EstimateRateMixin:
 
 
 def set_update_rate(module: nn.Module, rate: float) -> int:
-    """Set r on every estimate-mode layer of ``module`` that takes its rate from outside (for training
-    loops without mmengine; call it with the current learning rate before each step). Returns the count.
-    ``rate`` must lie in [0, 1] (``ValueError`` otherwise)."""
+    """Set r in [0, 1] on every estimate-mode layer of ``module`` that takes its rate from outside (training loops
+    without mmengine: the current learning rate, before each step); returns how many."""
     rate = check_rate(rate)
     mark_iteration()
     n = 0

@@ -1,28 +1,17 @@
-"""The StatNorm engine: the training/eval pipeline of the norms that are "per-(sample, channel) moments, then a
-per-(sample, channel) map" (BCN, GN+PN, Unitization). For x viewed as (N, C, L) with L positions:
+"""The StatNorm engine of the norms that are "per-(sample, channel) moments, then a per-(sample, channel) map"
+(BCN, GN+PN, Unitization). For x viewed as (N, C, L):
 
-    m, v           = mean and biased variance of x[n, c, :]                  backend.moments / stats
-    mean, var      = the first stage's per-channel statistics                 here, once per forward
+    m, v           = mean and biased variance of x[n, c, :]                  backend.first_stage
+    mean, var      = running statistics, Algorithm 1's estimates or the batch's  (the request, here)
     A, B [, K, L'] = coeff_map(m, v, mean, var, parameters)                  the layer's file: pure, (N, C)
     y              = A (x - m) + B    or    K act(A (x - m) + B) + L'        backend.apply
 
-``mean, var`` are the running estimates (estimate mode, Algorithm 1 of arXiv:1903.10520, moved once per
-training iteration: ``_estimate.py``), the running statistics (eval) or the batch moments (batch mode,
-all-reduced across processes with ``sync_stats``; the running statistics tracked). The backend computes them
-from m, v in its stats step (the Triton backend in its stats kernel); the collectives of ``sync_stats`` are
-torch code here, between the same backend steps. Backward, with t = x - m, dm/dx = 1/L, dv/dx = 2 t / L:
+Backward, with t = x - m: dx = A g + (2 dv t + dm - A sum_l g) / L, g = dy (dy K act'(A t + B) with an
+activation), where dm, dv and the parameter gradients are the layer's closed-form ``coeff_vjp`` of the sums
+(backend.sums), plus the batch statistics' VJP in batch mode. Only x is kept: the memory of one nn.GroupNorm.
 
-    dx = A g + (2 dv t + dm - A sum_l g) / L,     g = dy     (g = dy K act'(A t + B) with an activation)
-
-where dm, dv and the parameter gradients are the layer's closed-form ``coeff_vjp`` of the channel-sized sums
-(backend.sums), plus, in batch mode, the VJP of the batch statistics. Only x (in its own dtype) and
-channel-sized tensors are kept for backward: the activation memory of one nn.GroupNorm.
-
-Calls go one way: the layer's forward calls the engine once; the engine asks the layer for data
-(``_statnorm_params``, ``_coeff_maps``, ``_statnorm_act``), the backend for passes (the contract of
-``normdense/kernels/backend.py``) and its :class:`~._estimate.Estimates` for the iteration's bookkeeping. The
-backends and the torch.compile operator (``kernels/torch_op.py``) import nothing from ``layers/``; one autograd
-Function (:class:`_StatNormFn`) runs either, and only tensors and typed records cross it. docs/engine.md.
+Calls go one way: the layer's forward calls the engine once, the engine asks the layer for data, the backend
+(``kernels/backend.py``'s contract) for passes and its ``Estimates`` for the iteration's bookkeeping. docs/engine.md.
 """
 import dataclasses
 import math
@@ -35,8 +24,7 @@ import torch.nn as nn
 from ..errors import ExportError
 from ..kernels.aten import AtenBackend
 from ..kernels.backend import (STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, PendingSums, Statistics, StatsRequest,
-                               give_up_triton, selected_backend, tracked)
-from ..kernels.backend import check_backend
+                               check_backend, give_up_triton, selected_backend, tracked)
 from ._distributed import synced_batch_moments, synced_batch_moments_vjp
 from ._estimate import Estimates, in_backward, mark_iteration, mark_on_backward
 
@@ -69,32 +57,23 @@ class _Call:
 class StatNorm2d(nn.Module):
     """Base class of BCN, GN+PN and Unitization: their flags, buffers, dtype policy and the engine.
 
-    A layer calls :meth:`_init_statnorm` in its constructor and supplies data only: ``_statnorm_params()`` (the
-    parameters its coefficients depend on, tensors or None, in order), ``_coeff_maps(kernel)`` (the pure
-    coefficient map and its closed-form VJP as plain callables: its file's functions bound to its configuration,
-    or their kernel transcriptions), ``_statnorm_act()`` (GN+PN's activation) and ``_eval_form(x)``::
+    A layer calls :meth:`_init_statnorm` in its constructor and supplies data: ``_statnorm_params()`` (tensors or
+    None, in order), ``_coeff_maps(kernel)`` (its pure map and closed-form VJP, torch or kernel, bound to its
+    configuration), ``_statnorm_act()`` and ``_eval_form(x)``::
 
         coeff_map(m, v, mean, var, params, positions, count) -> ((A, B[, K, L]), residuals)
         coeff_vjp(residuals, grads, wants_stats) -> (dm, dv, dmean, dvar, dparams)
 
-    ``mean, var`` are (C,) or None without a first stage; ``count`` the values per channel behind batch
-    statistics (an int, a tensor when all-reduced, None otherwise); dmean, dvar only when ``wants_stats``.
+    ``mean, var``: (C,) or None; ``count``: the values per channel behind batch statistics (an int, a tensor
+    when all-reduced) or None; dmean, dvar only when ``wants_stats``.
 
-    Buffers (layers with a first stage; GN+PN has none, so no statistics and no counter): ``running_mean``,
-    ``running_var`` (the running statistics, or the estimates in estimate mode) and ``num_batches_tracked``
-    (training iterations in estimate mode, training calls in batch mode); a checkpoint without the counter
-    (BCN before issue 37) loads with 0, as torch's BatchNorm loads its old versions.
+    Buffers (not GN+PN's): ``running_mean``, ``running_var`` (estimates in estimate mode) and
+    ``num_batches_tracked`` (iterations in estimate mode, calls in batch mode; 0 when a version-1 checkpoint
+    lacks it, as torch's BatchNorm loads its old versions).
 
-    Dtype policy, here only (the engine, the reference compositions and the estimates' owner call these):
-
-    * statistics never run in fp16/bf16 (sums over positions overflow or round away): the compute dtype is
-      float64 where the input or a parameter is float64, else float32 (:meth:`stat_dtype`); the reference
-      compositions take half inputs in float32 (:meth:`compute_input`);
-    * the output keeps the input's dtype, under autocast too: statistics in float32 (float64 for float64),
-      y written once in x's dtype, as nn.BatchNorm2d does under autocast (nn.GroupNorm returns float32 for a
-      half input: twice the bytes written); the reference compositions cast to x's dtype likewise;
-    * estimate-mode estimates stay float32 when the module is cast to fp16/bf16 (``model.half()``): an update
-      of ``r * delta`` with r ~ lr is below bf16's resolution and would be lost to rounding (:meth:`_apply`).
+    Dtype policy: statistics in float32 (float64 where x or a parameter is; never fp16/bf16: sums over positions
+    overflow or round away); y in x's dtype under autocast too, as nn.BatchNorm2d (nn.GroupNorm writes float32);
+    estimates stay float32 under ``model.half()`` (an r-sized update is below bf16's resolution).
     """
     _FIRST_STAGE = True  # per-channel statistics before the map (GN+PN: none)
     _SYNC_BATCH = False  # batch-mode statistics all-reduced with sync_stats (BCN)
@@ -128,7 +107,7 @@ class StatNorm2d(nn.Module):
         return super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
 
     def _apply(self, fn, *args, **kwargs):
-        if '_estimates' in self.__dict__:  # its tensors stay where they were: start anew from the buffers
+        if '_estimates' in self.__dict__:  # its tensors stay behind: start anew from the moved buffers
             self._estimates.reset()
         if getattr(self, 'mode', None) != 'estimate':
             return super()._apply(fn, *args, **kwargs)
@@ -154,19 +133,17 @@ class StatNorm2d(nn.Module):
         return None
 
     def _output_dtype(self, x: torch.Tensor) -> torch.dtype:
-        return x.dtype  # the class docstring's dtype policy
+        return x.dtype
 
     def _statnorm_dtypes(self, x: torch.Tensor) -> Tuple[torch.dtype, torch.dtype]:
-        """(compute dtype, output dtype) of the engine: the class docstring's policy over x and the parameters."""
+        """(compute dtype, output dtype) by the dtype policy."""
         return self.stat_dtype(x, *self._statnorm_params()), self._output_dtype(x)
 
     def _statnorm_repr(self) -> str:
         return ('' if self.fused else ', fused=False') + (f', backend={self.backend!r}' if self.backend else '')
 
-    # --- the estimates, for the reference compositions ----------------------------------------------------------
     def estimates_from_input(self, x: torch.Tensor):
-        """This training call's estimates (mean, var) from its input x (N, C, ...) for the reference compositions:
-        the per-(n, c) moments of x, then :meth:`Estimates.estimates`."""
+        """This training call's estimates (mean, var) from x (N, C, ...): the reference compositions' first stage."""
         with torch.no_grad():
             xf = self.compute_input(x)
             x3 = xf.reshape(xf.shape[0], xf.shape[1], math.prod(xf.shape[2:]))
@@ -177,8 +154,8 @@ class StatNorm2d(nn.Module):
             return self._estimates.estimates(m, v, x3.shape[2], self._buffers3(), self._rate, self.sync_stats)
 
     def _track(self, mean: torch.Tensor, var: torch.Tensor, count) -> None:
-        """Batch mode, outside the backends' first stage (the collective path, the reference compositions): the
-        running statistics after a batch of ``count`` values per channel (a tensor after an all-reduce)."""
+        """The running statistics after a batch of ``count`` values per channel (an int, or a tensor after an
+        all-reduce), outside the backends (the collective path, the reference compositions)."""
         with torch.no_grad():
             nbt = self._buffers.get('num_batches_tracked')
             tracked(mean, var, count, self.momentum, nbt)(self.running_mean, self.running_var)
@@ -186,9 +163,8 @@ class StatNorm2d(nn.Module):
                 nbt.add_(1)
 
     def _watch(self, y: torch.Tensor) -> torch.Tensor:
-        """A training output of an estimate-mode layer: a backward through it ends the iteration, except where
-        the torch.compile operator took the call (its backward does: a hook traced into a compiled backward
-        cannot change Python state)."""
+        """y, whose backward ends the iteration in estimate-mode training (under torch.compile the operator's
+        backward does: a hook traced into a compiled backward cannot change Python state)."""
         if not (self.mode == 'estimate' and self.training):
             return y
         if torch.compiler.is_compiling() and self.__dict__.get('_op_marks_iteration', False):
@@ -199,9 +175,8 @@ class StatNorm2d(nn.Module):
 
     # --- forward --------------------------------------------------------------------------------------------
     def _export_form(self, x: torch.Tensor) -> torch.Tensor:
-        """The output while the model is exported (``kernels.backend.exporting``): the layer's ``_eval_form(x)``,
-        eval mode's output as a short composition of standard ops that ONNX translates. Training-mode export of a
-        layer with a first stage is refused: a recorded graph cannot move statistics or estimates."""
+        """The layer's ``_eval_form(x)`` (standard ops) while a graph is recorded; training mode is refused: a
+        recorded graph cannot move statistics or estimates."""
         if self.training and self._FIRST_STAGE:
             raise ExportError(f'{type(self).__name__} exports in eval mode only (its training statistics and '
                                f'estimate updates cannot be recorded): call model.eval() before exporting')
@@ -217,8 +192,8 @@ class StatNorm2d(nn.Module):
         return self._statnorm_eager(x)
 
     def _statnorm_eager(self, x: torch.Tensor, keep: Optional[list] = None) -> torch.Tensor:
-        """The output by the selected backend. ``keep`` (a list): no autograd graph; (backward state, backward
-        function) is appended to it instead (the torch.compile operator)."""
+        """The output by the selected backend; with ``keep`` (the torch.compile operator) no autograd graph:
+        (backward state, backward function) is appended to it."""
         be = _BACKENDS[selected_backend(self, x)]()
         try:
             with be.guard(x):
@@ -252,13 +227,13 @@ class StatNorm2d(nn.Module):
                 y = be.apply(x3, stats, _map(call, stats, params, x3.shape[2])[0], call.act, out_dtype)[0]
             else:
                 y = _StatNormFn.apply(x3, call, stats, *params)
-        if step is not None:  # after the kernels ran: the iteration's bookkeeping in Python
+        if step is not None:  # after the kernels: the iteration's total
             self._estimates.end(step, stats.moved, x3.shape[0] * x3.shape[2], self._buffers3())
         return self._watch(_reshaped_base(y, shape) if not needs_grad else y.view(shape))
 
     def _first_stage(self, be, x3):
-        """(x3 as the backend reads it, :class:`Statistics`, kind, count, the estimates' open iteration to close
-        after the kernels or None): the estimate update, tracking and the forward's all-reduce, once per call."""
+        """(x3 as the backend reads it, :class:`Statistics`, kind, count, the open iteration to close after the
+        kernels or None)."""
         if not self._FIRST_STAGE:
             return (*be.first_stage(x3, StatsRequest()), 'none', None, None)
         rm, rv, nbt = self._buffers3()
@@ -266,7 +241,7 @@ class StatNorm2d(nn.Module):
             return (*be.first_stage(x3, StatsRequest(STATS_FIXED, rm, rv)), 'fixed', None, None)
         estimate = self.mode == 'estimate'
         if self.sync_stats and (estimate or self._SYNC_BATCH) and dist.is_available() and dist.is_initialized() \
-                and dist.get_world_size() > 1:  # torch code around the collectives reads m, v now
+                and dist.get_world_size() > 1:  # the collectives read m, v now
             x3, st = be.first_stage(x3, StatsRequest(), deferred=False)
             kind, mean, var, count = self._synced_stats(st.m, st.v, x3.shape[2])
             return x3, st._replace(mean=mean, var=var), kind, count, None
@@ -282,7 +257,7 @@ class StatNorm2d(nn.Module):
         return (*be.first_stage(x3, request), 'batch', count, None)
 
     def _synced_stats(self, m, v, positions):
-        """(kind, mean, var, count) across processes (torch code around the collectives), side effects done."""
+        """(kind, mean, var, count) across processes, the buffers moved."""
         if self.mode == 'estimate':
             mean, var = self._estimates.estimates(m, v, positions, self._buffers3(), self._rate, True)
             return 'fixed', mean.to(m.dtype), var.to(m.dtype), None
@@ -310,7 +285,6 @@ def _map(call: _Call, stats: Statistics, params, positions):
 def _forward(ctx, x3, call: _Call, stats: Statistics, params):
     coeffs, res = _map(call, stats, params, x3.shape[2])
     y, ctx.pc = call.backend.apply(x3, stats, coeffs, call.act, call.out_dtype)
-    # the backward needs the moments and statistics only (the plan ran, the buffers are written)
     ctx.call, ctx.stats, ctx.res, ctx.params = call, stats._replace(update=None, plan=None, out=None), res, params
     ctx.param_dtypes = [None if p is None else p.dtype for p in params]
     return y
@@ -320,10 +294,8 @@ def _backward(ctx, x3, dy):
     """(dx, dparams) for dy in x3's shape and dtype."""
     call, stats, pc = ctx.call, ctx.stats, ctx.pc
     be, act = call.backend, call.act
-    # the kernel maps add the chunks' partial sums as they load them: no merge launch
     grads, state = be.sums(x3, dy, stats, pc, act, merged=not call.kernel_maps)
-    # at large N the kernel maps may leave their sums over the samples as sample blocks' partials (PendingSums in
-    # place of dparams), which dx sums in its own launch
+    # large N: the kernel maps may leave the sample blocks' partial sums (PendingSums) for dx's launch
     defer = {'defer': True} if call.kernel_maps else {}
     dm, dv, dmean, dvar, dparams = call.maps[1](ctx.res, grads, call.kind in ('batch', 'synced'), **defer)
     pending = dparams if isinstance(dparams, PendingSums) else None
@@ -384,9 +356,8 @@ class _StatNormFn(torch.autograd.Function):
 
 
 def _reshaped_base(y: torch.Tensor, shape) -> torch.Tensor:
-    """The fresh tensor y in ``shape`` as a tensor of its own, not a view: under no_grad, e.g. the forward of
-    a reentrant activation checkpoint (mmdet's ``with_cp``), a view returned out of the checkpoint's Function
-    could not be modified in place (a residual ``+=``, a following ReLU(inplace)). Keeps y's memory format."""
+    """y in ``shape`` as a tensor of its own, not a view, in y's memory format: under no_grad (a reentrant
+    checkpoint's forward, mmdet's ``with_cp``) a view could not be modified in place (a residual ``+=``)."""
     try:
         strides = y.view(shape).stride()
     except RuntimeError:  # not viewable in that shape: a copy, a tensor of its own anyway
