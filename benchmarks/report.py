@@ -110,9 +110,9 @@ def layers_retain():
     r = load('layers_retain.json')
     if r is None:
         return
-    print(f'`--malloc retain --compiled` (glibc keeps freed memory: no page faults after the warm-up); conditions: '
+    print(f'`--malloc retain` (glibc keeps freed memory: no page faults after the warm-up); conditions: '
           f'{cond_line(r["conditions"], r.get("conditions_end"))}. fwd+bwd time / nn.GroupNorm(32) per setting, '
-          'fused (reference, compiled); median page faults per step of the fused row:\n')
+          'fused (reference); median page faults per step of the fused row:\n')
     settings = list(r['norm'])
     print('| layer | ' + ' | '.join(settings) + ' | faults |')
     print('|---|' + '---|' * (len(settings) + 1))
@@ -121,32 +121,10 @@ def layers_retain():
         for st in settings:
             rows = r['norm'][st]
             gn = rows['nn.GroupNorm(32)']['time_ms']
-            extra = [f'{rows[k]["time_ms"] / gn:.2f}' for k in (n + ' reference', n + ' compiled') if k in rows]
+            extra = [f'{rows[k]["time_ms"] / gn:.2f}' for k in (n + ' reference', ) if k in rows]
             cells.append(f'**{rows[n]["time_ms"] / gn:.2f}** ({", ".join(extra)})')
         faults = '/'.join(str(r['norm'][st][n]['faults_per_step']) for st in settings)
         print(f'| {n} | ' + ' | '.join(cells) + f' | {faults} |')
-
-
-def layers_compiled():
-    r = load('layers.json')
-    if r is None:
-        return
-    settings = list(r['norm'])
-    layers_ = [n[:-len(' compiled')] for n in r['norm'][settings[0]] if n.endswith(' compiled')]
-    if not layers_:
-        print('_(no compiled rows: run benchmarks/layers.py with --compiled)_')
-        return
-    print('From the same run (`--compiled`): fwd+bwd time / nn.GroupNorm(32), eager fused path -> '
-          '`compiled=True`:\n')
-    print('| layer | ' + ' | '.join(settings) + ' |')
-    print('|---|' + '---|' * len(settings))
-    for n in layers_:
-        cells = []
-        for st in settings:
-            rows = r['norm'][st]
-            gn = rows['nn.GroupNorm(32)']['time_ms']
-            cells.append(f'{rows[n]["time_ms"] / gn:.2f} -> {rows[n + " compiled"]["time_ms"] / gn:.2f}')
-        print(f'| {n} | ' + ' | '.join(cells) + ' |')
 
 
 def fuse_latency():
@@ -238,8 +216,7 @@ def digits():
 
 
 if __name__ == '__main__':
-    for title, fn in (('Layer benchmark', layers), ('Layer benchmark, compiled=True', layers_compiled),
-                      ('Layer benchmark, malloc retained', layers_retain),
+    for title, fn in (('Layer benchmark', layers), ('Layer benchmark, malloc retained', layers_retain),
                       ('Fused vs unfused inference', fuse_latency),
                       ('Fused WS+BCN ResNet-50 vs frozen-BN ResNet-50', fused_resnet50),
                       ('Training step', train_step), ('Training step, Mask R-CNN R-50-FPN', train_step_r50),
