@@ -12,10 +12,10 @@ PYTHONPATH set to it (the worker checks that ``normdense`` was imported from the
 ``Unitization estimate`` (update_rate 0.01) and ``nn.GroupNorm(32)``, all in training mode. One step is
 ``x.grad = None; layer(x).backward(dy)``. A round is one timed step of every row in one worker (the starting
 row rotating, as ``_timing.interleaved_times``); rounds alternate A, B, A, B, ... so both checkouts see the
-same machine state, after 2 warm-up steps per row. Per row and checkout: the median time, and the median over
-rounds of the ratio to nn.GroupNorm timed in the same round of the same process; ``B/A`` is the quotient of
-the two median ratios (> 1: B slower against GroupNorm). ``ops`` are ATen ops per step (``_timing.count_ops``),
-``faults`` the median minor page faults per step.
+same machine state, after 2 warm-up steps per row (``--order abba``: B first in odd rounds). Per row and
+checkout: the median time, and the median over rounds of the ratio to nn.GroupNorm timed in the same round of
+the same process; ``B/A`` is the quotient of the two median ratios (> 1: B slower against GroupNorm). ``ops``
+are ATen ops per step (``_timing.count_ops``), ``faults`` the median minor page faults per step.
 
 ``--malloc retain`` starts the workers with glibc keeping freed memory (``_timing.RETAIN_MALLOC_ENV``): on this
 CPU a re-allocated activation page-faults on first touch with the default allocator, which costs more than
@@ -129,12 +129,13 @@ def commit_of(d):
         return '?'
 
 
-def setting(workers, shape, rounds):
+def setting(workers, shape, rounds, order='ab'):
     info = {k: w.ask(cmd='setup', shape=shape) for k, w in workers.items()}
     raw = {k: [] for k in workers}
     for r in range(rounds):
-        for k, w in workers.items():  # A, B, A, B, ...
-            raw[k].append(w.ask(cmd='round', round=r))
+        keys = ('b', 'a') if order == 'abba' and r % 2 else ('a', 'b')  # A, B, A, B, ... (or A B B A A B)
+        for k in keys:
+            raw[k].append(workers[k].ask(cmd='round', round=r))
     out = {}
     for name in ROWS:
         row = {}
@@ -174,6 +175,8 @@ def main():
     p.add_argument('--threads', type=int, default=2)
     p.add_argument('--rounds', type=int, default=9)
     p.add_argument('--malloc', choices=('default', 'retain'), default='default')
+    p.add_argument('--order', choices=('ab', 'abba'), default='ab',
+                   help="'abba': B runs first in odd rounds (cancels a bias of running first in a round)")
     p.add_argument('--out', default='/tmp/compare_commits', help='writes OUT.json and OUT.md')
     p.add_argument('--worker', help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -184,13 +187,13 @@ def main():
     dirs = {'a': osp.abspath(args.a), 'b': osp.abspath(args.b)}
     shapes = [[int(s) for s in sh.split('x')] for sh in args.shapes]
     res = dict(a=dirs['a'], b=dirs['b'], commit_a=commit_of(dirs['a']), commit_b=commit_of(dirs['b']),
-               threads=args.threads, malloc=args.malloc, rounds=args.rounds,
+               threads=args.threads, malloc=args.malloc, rounds=args.rounds, order=args.order,
                loadavg_start=[round(v, 2) for v in os.getloadavg()], settings={})
     workers = {k: Worker(d, args.threads, args.malloc) for k, d in dirs.items()}
     try:
         for sh in shapes:
             key = f"{args.threads}thr {'x'.join(map(str, sh))}"
-            res['settings'][key], info = setting(workers, sh, args.rounds)
+            res['settings'][key], info = setting(workers, sh, args.rounds, args.order)
             res.setdefault('workers', {})[key] = {k: {n: v for n, v in i.items() if n != 'ops'}
                                                   for k, i in info.items()}
             print(f'{key} done', file=sys.stderr)
