@@ -1,14 +1,10 @@
-"""Plain nn.Module implementations, one file per paper method (registered in normdense/registry.py).
-
-The layer classes and the user-facing helpers are exported here, as timm's and mmcv's ``__init__`` do:
-``from normdense.layers import BatchChannelNorm2d, WSConv2d``. Engine internals (``StatNorm2d``,
-``EstimateRateMixin``) stay in their modules (``_statnorm.py``, ``_estimate.py``).
-"""
+"""The layer classes and user-facing helpers (``from normdense.layers import BatchChannelNorm2d``); engine
+internals stay in their modules. Registered in normdense/registry.py."""
 from ._estimate import mark_iteration, set_update_rate
 from ._utils import set_fused
 from .bcn import BatchChannelNorm2d
 from .equinorm import ChannelAffine, EquiConv2d
-from .groups import GroupNorm, resolve_groups  # the group policy of GN, BCN and GN+PN
+from .groups import GroupNorm, resolve_groups
 from .iternorm import IterNorm
 from .proxy_norm import GroupProxyNorm
 from .unitization import Unitization2d

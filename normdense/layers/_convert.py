@@ -1,24 +1,13 @@
-"""Norm layers of a built model swapped for BCN in place, in the style of detectron2's
-``convert_frozen_batchnorm``: what :meth:`BatchChannelNorm2d.convert_norm` runs (``normdense.model_convert``, the
-model-wide conversion to any layer, copies through :func:`copy_norm_into_bcn` too). Imports no layer: the BCN class
-comes as an argument."""
+"""Norm layers of a built model swapped for BCN in place (:meth:`BatchChannelNorm2d.convert_norm`, in the style of
+detectron2's ``convert_frozen_batchnorm``); ``normdense.model_convert`` copies through :func:`copy_norm_into_bcn`."""
 import torch
 import torch.nn as nn
 
 
 def convert_to_bcn(cls, module: nn.Module, num_groups: int = 32, **bcn_kwargs) -> nn.Module:
-    """Swap every ``nn.BatchNorm2d`` (incl. SyncBatchNorm) and ``nn.GroupNorm`` in ``module`` (or ``module`` itself)
-    for a BCN of class ``cls`` (:meth:`BatchChannelNorm2d.convert_norm`).
-
-    What carries over:
-    * BatchNorm2d -> its running mean/var become BCN's first-stage statistics (the estimates in ``'estimate'``
-      mode) and its weight/bias become gamma^b/beta^b, so the first stage computes exactly the eval-mode BN; the
-      channel stage starts at identity affine (a GN on top).
-    * GroupNorm -> its weight/bias become the channel stage's (needs ``group_affine=False`` unless they are
-      constant within each group); ``num_groups`` is taken from the GN; the first stage starts as identity
-      (estimates 0 and 1).
-    Returns the converted module (a new object only when ``module`` itself is a norm layer).
-    """
+    """Swap every BatchNorm2d (incl. SyncBatchNorm) and GroupNorm in ``module`` (or ``module`` itself) for a BCN of
+    class ``cls``; GN's ``num_groups`` carries over, what else does: :func:`copy_norm_into_bcn`. Returns the
+    converted module (a new object only when ``module`` itself is a norm layer)."""
     new = _to_bcn(cls, module, num_groups, bcn_kwargs)
     if new is not None:
         return new
@@ -31,7 +20,7 @@ def convert_to_bcn(cls, module: nn.Module, num_groups: int = 32, **bcn_kwargs) -
 
 def _to_bcn(cls, module, num_groups, bcn_kwargs):
     tensors = list(module.parameters()) + list(module.buffers())
-    # build on the source's device and float dtype before copying, so nothing is rounded
+    # the source's device and float dtype, so copying rounds nothing
     place = dict(device=tensors[0].device, dtype=next((t.dtype for t in tensors if t.is_floating_point()),
                                                       None)) if tensors else {}
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
@@ -46,9 +35,8 @@ def _to_bcn(cls, module, num_groups, bcn_kwargs):
 
 
 def copy_norm_into_bcn(bcn: nn.Module, module: nn.Module) -> None:
-    """A BatchNorm's running statistics and affine into BCN's first stage (which then computes the eval-mode
-    BN), or a GroupNorm's affine into its channel stage (``ValueError`` where a per-group affine cannot hold
-    it: the GN's varies within a group)."""
+    """A BN's running statistics and affine into BCN's first stage (which then computes the eval-mode BN), or a
+    GN's affine into its channel stage (``ValueError`` if it varies within a group and ``group_affine``)."""
     with torch.no_grad():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             if module.track_running_stats and module.running_mean is not None:

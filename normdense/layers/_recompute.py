@@ -1,17 +1,8 @@
 """IterNorm's ``recompute`` option: keep only the layer's input for backward and recompute the rest.
 
-IterNorm is a composition of autograd ops that each save their input, so plain autograd holds several
-activation-sized tensors where ``nn.GroupNorm`` holds one (the StatNorm layers need no such option: their
-engine keeps only x). :func:`checkpoint_once` runs the differentiable part as one autograd function whose
-forward keeps only its tensor arguments (input, parameters, channel-sized statistics) and whose backward runs
-the part again with autograd: activation checkpointing, the same ops on the same values as plain autograd's.
-
-What the layer guarantees: side effects once (running statistics updated only when ``first=True``, the
-forward); the recomputation sees what the forward saw (everything as arguments: parameters, so
-``torch.func.functional_call`` works, and copies of mutable state; ``training`` fixed at forward time); no
-random numbers (no RNG state saved). The forward's autocast state is restored for the recomputation; double
-backward raises. ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` would do the same at a higher
-fixed cost per call (docs/performance.md).
+:func:`checkpoint_once` is activation checkpointing of one layer, cheaper per call than
+``torch.utils.checkpoint``: side effects once, no RNG state, the forward's autocast state restored, double
+backward raises (docs/performance.md, "Activation memory").
 """
 from typing import Callable, Dict, Tuple
 
@@ -23,9 +14,8 @@ from ._utils import device_autocast
 
 
 def recompute_active(module: nn.Module, x: torch.Tensor) -> bool:
-    """True when ``module`` (with a ``recompute`` attribute) should recompute in this forward: training
-    mode, grad enabled, a non-empty input, and something to differentiate (input or a parameter).
-    Eval mode, ``no_grad`` / inference mode and empty inputs run the plain path (nothing to save)."""
+    """Whether ``module`` recomputes this forward: ``recompute`` set, training, grad on, a non-empty input and
+    something to differentiate."""
     if not (module.recompute and module.training and torch.is_grad_enabled() and x.numel() > 0):
         return False
     return x.requires_grad or any(p.requires_grad for p in module.parameters())
@@ -36,14 +26,13 @@ def _autocast_state(tensors) -> Dict[str, Tuple[bool, torch.dtype]]:
     for d in {'cpu'} | {t.device.type for t in tensors}:
         try:
             state[d] = device_autocast(d)
-        except RuntimeError:  # a device type without autocast support (e.g. 'meta')
+        except RuntimeError:  # e.g. 'meta' has no autocast
             pass
     return state
 
 
 class _Recompute(torch.autograd.Function):
-    """forward: ``fn(True, *args)`` without a graph, saving the tensor args; backward: ``fn(False, *args)``
-    with autograd on detached copies of them, differentiated w.r.t. those that need a gradient."""
+    """forward: ``fn(True, *args)`` saving the tensor args; backward: ``fn(False, *args)`` on detached copies."""
 
     @staticmethod
     def forward(ctx, fn, *args):
@@ -92,8 +81,6 @@ class _autocast:
 
 
 def checkpoint_once(fn: Callable[..., torch.Tensor], *args) -> torch.Tensor:
-    """``fn(first, *args)`` keeping only ``args`` for backward and running ``fn`` again in backward;
-    ``first`` is True for the forward call and False for the recomputation (so buffer updates inside
-    ``fn`` happen exactly once). Pass the input, the parameters and copies of any mutable state as
-    ``args`` (tensors, or other values such as None / dtypes); ``fn`` must return one tensor."""
+    """``fn(first, *args)``, keeping only ``args`` and running ``fn`` again in backward; ``first`` is False there, so
+    buffer updates happen once. Pass input, parameters and copies of mutable state; ``fn`` returns one tensor."""
     return _Recompute.apply(fn, *args)

@@ -1,40 +1,19 @@
 """Equilibrium Normalization (EquiNorm; "Controlling Covariate Shift using Equilibrium Normalization of
-Weights", ICLR 2019 submission, Sec. 4 "Full case" and "Single pass formulation", Sec. 5.2).
+Weights", ICLR 2019 submission; arXiv:1812.04549 as "...Balanced Normalization..."; Sec. 4.1, Sec. 5.2).
 
-EquiNorm normalizes a convolution's *weights* with batch statistics of its *input*. With v_c the sum of
-the input over batch and positions of input channel c, wbar_dc = sum_jk w_dcjk and
-r = batch * H_out * W_out * stride^2 (Sec. 4.1)::
+A conv's *weights* are normalized with batch statistics of its *input*. With v_c the sum of the input over
+batch and positions of channel c, wbar_dc = sum_jk w_dcjk and r = batch * H_out * W_out * stride^2 (Sec. 4.1)::
 
     b_d   = - sum_c v_c wbar_dc / (kh * kw * sum_c v_c)        output mean zero (first constraint)
     s_d   = r / sum_c v_c w'+_dc                                positive contribution = r (second constraint)
     w''   = s_d (w_dcjk + b_d)                                  differentiated through (incl. v)
 
 two-pass:    w'+_dc = sum_jk (w_dcjk + b_d) [w_dcjk + b_d > 0]
-single pass: w'+_dc ~ w+_dc + b_d n+_dc, with w+_dc = sum_jk w_dcjk [w_dcjk > 0], n+_dc = #{w_dcjk > 0}
-             (assumes the sign of each weight does not change by adding b_d; the paper uses this in all
-             its experiments, so it is our default).
+single pass: w'+_dc ~ w+_dc + b_d n+_dc, w+_dc = sum_jk w_dcjk [w_dcjk > 0], n+_dc = #{w_dcjk > 0} (default)
 
-Under stride 1 and cyclic padding every weight multiplies every input element of its channel, so the
-output then sums to 0 and the positive weights' total contribution is exactly r ("average 1 per output
-element"); zero padding and strides break this only at the edges / by subsampling (Sec. 5.2). The paper
-assumes non-negative inputs (post-ReLU, Sec. 5.2) and recommends dropping the input pre-normalization
-in front of the first EquiNorm conv. A channel-affine (``ChannelAffine``) follows the conv (Sec. 4).
-
-Implementation choices:
-
-* Both b and s are invariant to rescaling v together with r, so we work with the per-channel input
-  *mean* m_c = v_c / (B H_in W_in) and rho = r / (B H_in W_in) = H_out W_out stride^2 / (H_in W_in).
-  The running statistic kept for eval (Sec. 4.1: "a running estimate of the data statistics (v_c)") is
-  therefore the running mean of m_c (``running_input_mean``, init 1, updated with ``momentum``), which
-  unlike a running sum does not depend on the batch size or image size; at eval v_c = m_c B H_in W_in
-  for the current input, i.e. r is taken from the eval-time shapes as in training.
-* Grouped convs: each output channel only sees the input channels of its group, so the sums over c run
-  over that group.
-* ``eps`` (ours, not the paper's) keeps the two denominators away from zero (|den| >= eps, sign kept);
-  with the paper's assumptions they are far from zero and the guard never acts.
-* Kernels start balanced (Sec. 5.2): any output channel whose weights all share one sign gets its
-  signs resampled, at construction and again in ``init_weights`` (mmengine calls it after applying
-  the parent's ``init_cfg``, which would otherwise re-draw the weights).
+The layer keeps the input *mean* m_c (b and s are invariant to scaling v with r); sums over c run within a
+conv group; ``eps`` (ours) guards the denominators. A ``ChannelAffine`` follows the conv (Sec. 4). Assumptions
+(non-negative inputs, balanced kernel signs) and choices: docs/unitization_equinorm.md.
 """
 import warnings
 from typing import Optional, Tuple
@@ -48,9 +27,8 @@ from ._utils import f64
 
 
 def balance_weight_signs_(weight: torch.Tensor, generator: Optional[torch.Generator] = None) -> int:
-    """Resample the signs of every output channel's kernel that lacks a positive or a negative entry
-    (EquiNorm assumption 4, Sec. 5.2: "resampling any such kernel-weight's signs"), keeping magnitudes.
-    In place; returns the number of output channels changed. Needs >= 2 weights per output channel."""
+    """In place, resample the signs of each output channel's kernel lacking a positive or a negative entry
+    (Sec. 5.2), keeping magnitudes; returns the number of channels changed."""
     with torch.no_grad():
         flat = weight.detach().view(weight.shape[0], -1)
         if flat.shape[1] < 2:
@@ -61,7 +39,6 @@ def balance_weight_signs_(weight: torch.Tensor, generator: Optional[torch.Genera
 
         bad = unbalanced()
         changed = bad.numel()
-        # Exact zeros have no sign: give them the channel's typical magnitude first.
         for d in bad.tolist():
             row = flat[d]
             zero = row == 0
@@ -83,16 +60,11 @@ def _safe_denominator(den: torch.Tensor, eps: float) -> torch.Tensor:
 
 def equinorm_weight(weight: torch.Tensor, input_mean: torch.Tensor, rho: float, groups: int = 1,
                     single_pass: bool = True, eps: float = 0.0) -> torch.Tensor:
-    """The normalized kernel w'' = s (w + b) of Sec. 4.1 (see module docstring).
-
-    Args:
-        weight: (C_out, C_in / groups, kh, kw).
-        input_mean: (C_in,) per-channel input mean m_c (v_c up to a common factor).
-        rho: r divided by the same factor (r / (B H_in W_in) when m is the mean).
-    """
+    """w'' = s (w + b) (Sec. 4.1) of ``weight`` (C_out, C_in / groups, kh, kw) from the input mean m_c (C_in,)
+    and ``rho`` = r / (B H_in W_in)."""
     c_out, c_in_g, kh, kw = weight.shape
     m = input_mean.to(weight.dtype).view(groups, c_in_g)
-    m = m.repeat_interleave(c_out // groups, dim=0)                     # (C_out, C_in/g): channels of d's group
+    m = m.repeat_interleave(c_out // groups, dim=0)
     wbar = weight.sum((2, 3))                                            # wbar_dc
     b = -(m * wbar).sum(1) / _safe_denominator(kh * kw * m.sum(1), eps)  # b_d: output mean zero
     if single_pass:
@@ -108,15 +80,13 @@ def equinorm_weight(weight: torch.Tensor, input_mean: torch.Tensor, rho: float, 
 
 
 class EquiConv2d(nn.Conv2d):
-    """``nn.Conv2d`` whose kernel is equilibrium-normalized per forward (Sec. 4.1; module docstring).
+    """``nn.Conv2d`` (same arguments, so ``ConvModule`` works) whose kernel is equilibrium-normalized per forward.
 
-    Extra keyword args (the rest are ``nn.Conv2d``'s, so mmcv's ``build_conv_layer`` and ``ConvModule``
-    work unchanged):
+    Args (keyword-only, beyond ``nn.Conv2d``'s):
         momentum: update factor of the running per-channel input mean used in eval.
-        single_pass: the single-pass s of Sec. 4 (default, as in the paper's experiments) or the exact
-            two-pass one.
-        eps: denominator guard (ours; see module docstring).
-        balance_init: resample the signs of one-signed kernels at init (Sec. 5.2).
+        single_pass: the single-pass s (default, as in the paper's experiments) or the exact two-pass one.
+        eps: keeps the denominators at least eps away from zero (ours).
+        balance_init: resample the signs of one-signed kernels at init and in ``init_weights`` (Sec. 5.2).
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
@@ -148,8 +118,7 @@ class EquiConv2d(nn.Conv2d):
             balance_weight_signs_(self.weight)
 
     def init_weights(self) -> None:
-        """Called by mmengine's ``BaseModule.init_weights`` after the parent's init_cfg re-drew the
-        weights: keep them, but restore the balanced-sign property."""
+        """mmengine calls this after the parent's init_cfg re-drew the weights: restore balanced signs."""
         if self.balance_init:
             balance_weight_signs_(self.weight)
 
@@ -182,12 +151,10 @@ class EquiConv2d(nn.Conv2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4:
             raise ValueError(f'EquiConv2d expects (N, C, H, W) input, got shape {tuple(x.shape)}')
-        if self.training and x.numel() > 0:  # an empty batch (zero RoIs) has no statistics: use the running ones
-            mean = x.mean((0, 2, 3))  # m_c = v_c / (B H W), differentiated through like BN's batch mean
+        if self.training and x.numel() > 0:
+            mean = x.mean((0, 2, 3))  # m_c = v_c / (B H W), differentiated through
             if not self._input_sign_checked:
-                # Once only (it syncs): the method's formulas assume non-negative inputs (Sec. 3, 5.2).
-                # A zero-mean input (e.g. right after another EquiConv2d without a ReLU) makes
-                # sum_c v_c ~ 0 and b, s explode.
+                # once only (it syncs): a zero-mean input makes sum_c v_c ~ 0 and b, s explode (Sec. 3, 5.2)
                 self._input_sign_checked = True
                 if bool((mean.detach() < 0).any()):
                     warnings.warn('EquiConv2d got input channels with negative mean; EquiNorm assumes '
@@ -207,11 +174,8 @@ class EquiConv2d(nn.Conv2d):
 
 
 class ChannelAffine(nn.Module):
-    """Per-channel affine y = gamma_c x + beta_c: the affine that follows an EquiNorm conv (Sec. 4), as a
-    norm layer so it plugs into mmcv's ``norm_cfg`` slot (``dict(type='ChannelAffine')``).
-
-    ``eps`` is accepted (mmcv's ``build_norm_layer`` always passes it) and unused.
-    """
+    """y = gamma_c x + beta_c after an EquiNorm conv (Sec. 4), for ``norm_cfg=dict(type='ChannelAffine')``;
+    ``eps`` is accepted (``build_norm_layer`` always passes it) and unused."""
     _abbr_ = 'ca'
 
     def __init__(self, num_features: int, eps: float = 1e-5, affine: bool = True):

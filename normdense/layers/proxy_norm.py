@@ -1,33 +1,16 @@
-"""Group normalization followed by a proxy-normalized activation step (GN+PN, LN+PN).
+"""Group normalization followed by a proxy-normalized activation step (GN+PN; LN+PN with one group).
 
-Paper: Labatie et al., "Proxy-Normalizing Activations to Match Batch Normalization while Removing
-Batch Dependence", arXiv:2106.03743 (NeurIPS 2021), Sec. 5 Eq. 7, App. A.1 and App. B.
+Paper: Labatie et al., "Proxy-Normalizing Activations to Match Batch Normalization while Removing Batch
+Dependence", arXiv:2106.03743 (NeurIPS 2021), Sec. 5 Eq. 7, App. A.1 and App. B. Eq. 7 replaces
+``affine -> activation`` after a GN without affine::
 
-A batch-independent norm (LN or GN with few groups) without affine is followed by the
-*proxy-normalized activation step* of Eq. 7, which replaces the usual ``affine -> activation``::
-
-    z        = GN(x)                                   (no affine of its own)
-    y        = (phi(gamma * z + beta) - E[phi(gamma * Y + beta)])
-               / sqrt(Var[phi(gamma * Y + beta)] + eps_pn)
+    z        = GN(x)
+    y        = (phi(gamma * z + beta) - E[phi(gamma * Y + beta)]) / sqrt(Var[phi(gamma * Y + beta)] + eps_pn)
     Y_c      ~ N(beta~_c, (1 + gamma~_c)^2)            (per-channel Gaussian proxy)
 
-The proxy expectation/variance are taken over ``n`` deterministic standard-normal quantiles
-``sqrt(2) * erfinv(2 * (i + 0.5) / n - 1)`` (App. B; n = 200 in the official code) mapped through
-``beta~ + (1 + gamma~) * q``. They depend only on parameters, never on the batch, so the layer is
-batch-independent and behaves identically in train and eval mode.
-
-Because the layer *contains* the activation, nothing may apply another activation to its output:
-use ``act_cfg=None`` in ConvModules and the ``PNResNet`` backbone instead of ``ResNet``.
-``normdense/hooks/proxy_norm_check.py`` detects violations (``ProxyNormCheckHook``); the supported
-activations phi are listed in ``normdense/layers/_activations.py``.
-
-``fused=True`` (default) computes the layer as ``K phi(A x + B) + L`` with per-(sample, channel) A, B (GN
-and its affine) and per-channel K, L (the proxy moments), from the per-(n, c) moments of x
-(:func:`coeff_map`), with a closed-form backward (:func:`coeff_vjp`) that keeps only x (the StatNorm engine,
-``normdense/layers/_statnorm.py``). ``fused=False`` is the reference composition (``F.group_norm``, phi,
-proxy normalization) that the tests compare it against.
-
-No mmcv/mmengine imports here: registration happens in ``normdense/registry.py``.
+E and Var are taken over n deterministic quantiles ``sqrt(2) * erfinv(2 * (i + 0.5) / n - 1)`` (App. B), so
+the layer is batch-independent and the same in train and eval. It *contains* phi: nothing may apply another
+activation to its output (``act_cfg=None``, ``PNResNet``; ``ProxyNormCheckHook`` checks). docs/proxy_norm.md.
 """
 import functools
 import math
@@ -48,11 +31,7 @@ __all__ = ['GroupProxyNorm', 'proxy_quantiles', 'PROXY_NORM_ACTIVATIONS']
 
 def proxy_quantiles(num_samples: int, dtype: torch.dtype = torch.float64,
                     device=None) -> torch.Tensor:
-    """Deterministic standard-normal proxy samples ``sqrt(2) * erfinv(2 * (i + 0.5) / n - 1)``.
-
-    These are the quantiles at the probability mid-points (i + 0.5) / n ("samples uniformly sampled
-    in probability", App. A.1 / App. B); computed in float64 and then cast.
-    """
+    """The n proxy samples: standard-normal quantiles at (i + 0.5) / n (App. B), computed in float64, then cast."""
     i = torch.arange(num_samples, dtype=torch.float64, device=device)
     q = math.sqrt(2.0) * torch.special.erfinv(2.0 * (i + 0.5) / num_samples - 1.0)
     return q.to(dtype)
@@ -60,16 +39,14 @@ def proxy_quantiles(num_samples: int, dtype: torch.dtype = torch.float64,
 
 @functools.lru_cache(maxsize=64)
 def _cached_quantiles(num_samples: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # created outside inference mode: an inference tensor in the cache could not be saved for
-    # backward by a later training forward
+    # outside inference mode: a cached inference tensor could not be saved for a later backward
     with torch.inference_mode(False):
         return proxy_quantiles(num_samples, dtype, device)
 
 
 @functools.lru_cache(maxsize=16)
 def _quantile_values(num_samples: int) -> Tuple[float, ...]:
-    # the quantiles as Python floats (the same values to ~1e-16): a constant in an exported graph, where
-    # torch's erfinv has no ONNX operator and a cached tensor could be a tracer's fake one
+    # Python floats for export: erfinv has no ONNX operator and a cached tensor could be a tracer's fake one
     nd = statistics.NormalDist()
     return tuple(nd.inv_cdf((i + 0.5) / num_samples) for i in range(num_samples))
 
@@ -86,10 +63,8 @@ class PNConfig(NamedTuple):
 
 
 def coeff_map(cfg, m, v, mean, var, params, positions, count):
-    """Eq. 7 as y = K phi(A (x - m) + B) + L per (n, c), from the per-(n, c) moments m, v of x: the GN stage
-    A = gamma / sigma_g, B = beta + A (m - mu_g) (the pre-activation's mean per (n, c)), and the proxy
-    moments per channel, K = 1 / sqrt(Var[phi(gamma Y + beta)] + eps_pn), L = -E[phi(gamma Y + beta)] K
-    over the deterministic proxy samples Y = beta~ + (1 + gamma~) q (App. B). Pure."""
+    """Eq. 7 as y = K phi(A (x - m) + B) + L from x's per-(n, c) moments m, v: A = gamma / sigma_g,
+    B = beta + A (m - mu_g); per channel K = 1 / sqrt(Var[phi(gamma Y + beta)] + eps_pn), L = -E[...] K. Pure."""
     weight, bias, proxy_beta, proxy_gamma = params
     dtype = m.dtype
     w, b = weight.to(dtype), bias.to(dtype)
@@ -98,7 +73,7 @@ def coeff_map(cfg, m, v, mean, var, params, positions, count):
     per = c // g
     m3 = m.view(n, g, per)
     d = m3 - m3.mean(2, keepdim=True)
-    r = torch.rsqrt(torch.addcmul(v.view(n, g, per), d, d).mean(2, keepdim=True) + cfg.eps)  # (N, G, 1)
+    r = torch.rsqrt(torch.addcmul(v.view(n, g, per), d, d).mean(2, keepdim=True) + cfg.eps)
     a3 = r * w.view(g, per)
     b3 = torch.addcmul(b.view(g, per), a3, d)
     q = _cached_quantiles(cfg.num_samples, dtype, m.device)
@@ -106,7 +81,7 @@ def coeff_map(cfg, m, v, mean, var, params, positions, count):
         y = torch.addcmul(proxy_beta.to(dtype)[:, None], 1 + proxy_gamma.to(dtype)[:, None], q)
     else:
         y = q.expand(c, -1)
-    z = torch.addcmul(b[:, None], w[:, None], y)  # (C, n) pre-activations of the proxy
+    z = torch.addcmul(b[:, None], w[:, None], y)  # (C, n)
     act = activation(cfg.act, cfg.act_kwargs)
     out = act.forward(z)
     pvar, pmean = torch.var_mean(out, dim=1, correction=0)  # expectation over the proxy: 1/n
@@ -117,8 +92,7 @@ def coeff_map(cfg, m, v, mean, var, params, positions, count):
     return coeffs, (d, r, w, a3, y, z, out, pmean, k, q, act)
 
 def coeff_vjp(cfg, res, grads, wants_stats):
-    """Closed-form VJP of :func:`coeff_map`: (dm, dv, None, None, (d weight, d bias, d proxy_beta,
-    d proxy_gamma)); phi' through phi's own ATen backward op (``_activations.Activation``)."""
+    """Closed-form VJP of :func:`coeff_map`: (dm, dv, None, None, d(weight, bias, proxy_beta, proxy_gamma))."""
     d, r, w, a3, y, z, out, pmean, k, q, act = res
     ga, gb, gk, gl = grads
     n, c = ga.shape
@@ -127,12 +101,11 @@ def coeff_vjp(cfg, res, grads, wants_stats):
     ga3, gb3 = ga.view(n, g, per), gb.view(n, g, per)
     ga_t = torch.addcmul(ga3, gb3, d)  # B = beta + A d
     dw = (ga_t * r).sum(0).view(c)
-    dvg = (ga_t * w.view(g, per)).sum(2, keepdim=True) * r.pow(3) * (-0.5 / per)  # through r, / P
+    dvg = (ga_t * w.view(g, per)).sum(2, keepdim=True) * r.pow(3) * (-0.5 / per)
     gd = torch.addcmul(gb3 * a3, d, dvg, value=2.0)
     dm = (gd - gd.mean(2, keepdim=True)).view(n, c)
     dv = dvg.expand(n, g, per).reshape(n, c)
     db = gb.sum(0)
-    # proxy moments: K, L per channel
     gkc, glc = gk.sum(0), gl.sum(0)
     samples = out.shape[1]
     if cfg.proxy_scaling:
@@ -158,60 +131,38 @@ def _triton_kwargs(cfg):
 
 
 def _triton_coeff_map(cfg, m, v, mean, var, params, positions, count, first=None):
-    """:func:`coeff_map` as one Triton launch (``normdense/kernels/proxy_norm.py``), on the same cached quantiles;
-    ``first``: the engine's planned moments merge, run in the same launch."""
-    from ..kernels import proxy_norm as kernels  # triton imported only when this backend is used
+    """:func:`coeff_map` as one Triton launch; ``first``: the engine's moments merge, run in the same launch."""
+    from ..kernels import proxy_norm as kernels
     q = _cached_quantiles(cfg.num_samples, m.dtype, m.device)
     return kernels.coeff_map(m, v, mean, var, params, positions, count, quantiles=q, first=first,
                              **_triton_kwargs(cfg))
 
 
 def _triton_coeff_vjp(cfg, res, grads, wants_stats, defer=False):
-    """:func:`coeff_vjp` as one Triton launch, for the residuals of :func:`_triton_coeff_map` (``defer``: the
-    sums over many samples left as partials for the engine's dx, ``kernels.second_stage``)."""
+    """:func:`coeff_vjp` as one Triton launch (``defer``: sums over samples left as partials for the Triton dx)."""
     from ..kernels import proxy_norm as kernels
     return kernels.coeff_vjp(res, grads, wants_stats, defer=defer, **_triton_kwargs(cfg))
 
 
 class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
-    """GN (no affine) + proxy-normalized activation step, Eq. 7 of the PN paper ("GN+PN").
-
-    Built by mmcv's ``build_norm_layer(dict(type='GNPN', num_groups=32), C)``, which calls
-    ``GroupProxyNorm(C, **cfg)`` and always passes ``eps`` (1e-5 unless set).
+    """GN+PN (``dict(type='GNPN')``): ``weight``/``bias`` are gamma/beta (GN's names, so GN checkpoints load),
+    ``proxy_beta``/``proxy_gamma`` beta~/gamma~; statistics in float32 (float64 for float64), also under autocast.
 
     Args:
-        num_channels: number of channels C (first positional argument, as ``build_norm_layer``
-            passes it).
-        num_groups: groups of the GN stage: an int (exact; must divide ``num_channels``; default (None) 32) or
-            ``'auto'`` (fits each layer's channel count; layers/groups.py; the norm switch's choice).
-            ``num_groups=1`` gives LN+PN (statistics over all channels and positions of a sample).
+        num_channels: channels C (positional, as mmcv's ``build_norm_layer`` passes it).
+        num_groups: GN groups: an int dividing C (None: 32; 1: LN+PN) or ``'auto'`` (layers/groups.py).
         channels_per_group: instead of ``num_groups``, about this many channels per group.
-        eps: numerical constant of the **GN stage** (inside its sqrt). It keeps the name ``eps``
-            because ``build_norm_layer`` always injects ``eps=1e-5``.
-        act: activation phi of the PN step, a name (``'relu'``, ``'gelu'``, ``'silu'``/``'swish'``,
-            ``'leaky_relu'``, ``'elu'``, ``'mish'``, ``'softplus'``, ``'hardswish'``, ...) or an
-            mmcv-style dict such as ``dict(type='LeakyReLU', negative_slope=0.1)`` (``inplace`` is
-            ignored). Unknown names raise ``ValueError`` at build time.
-        proxy_eps: numerical constant of the **PN step**, added to the proxy variance
-            (Eq. 7). 0.03 as in the paper/official code ("smaller can lead to suboptimal
-            performance", App. A.1).
-        num_samples: number of deterministic proxy quantiles (200 in the official code).
-        proxy_scaling: if False only the proxy *centering* is applied (the paper disables PN's
-            scaling just before the final mean pooling, App. A.1).
-        proxy_affine: learn the proxy parameters beta~, gamma~ (init 0). False = "omitted" variant
-            of App. A.3.3 (Y ~ N(0, 1)).
-        fused: one fused pass with an analytic backward keeping only the input (default); ``False`` runs
-            the reference composition.
-        backend: the fused path's kernels: ``'aten'``, ``'triton'`` (CUDA; CPU tensors only under
-            ``TRITON_INTERPRET=1``), ``'auto'`` (Triton for CUDA tensors when it imports, else ATen) or None
-            (default: the environment variable ``NORMDENSE_BACKEND``, else auto). docs/gpu.md.
-
-    Parameters: ``weight``/``bias`` are gamma/beta of the activation step (GroupNorm's own names so
-    GN checkpoints load), ``proxy_beta``/``proxy_gamma`` are beta~/gamma~. The proxy statistics are
-    computed in float32 (float64 for float64 parameters/inputs), also under autocast.
+        eps: of the **GN stage** (``build_norm_layer`` always passes ``eps``).
+        act: phi, a name (``'relu'``, ``'gelu'``, ``'silu'``, ...: ``_activations.py``) or an mmcv-style dict such
+            as ``dict(type='LeakyReLU', negative_slope=0.1)`` (``inplace`` ignored); unknown ones raise ``ValueError``.
+        proxy_eps: eps_pn of the **PN step** (Eq. 7); 0.03 as in the paper (App. A.1).
+        num_samples: proxy quantiles n (200 in the official code).
+        proxy_scaling: False applies only the proxy centering (the paper's choice before the final pooling).
+        proxy_affine: learn beta~, gamma~ (init 0); False: the "omitted" variant of App. A.3.3 (Y ~ N(0, 1)).
+        fused: one pass with an analytic backward keeping only the input (default); False: the reference ops.
+        backend: ``'aten'``, ``'triton'``, ``'auto'`` or None (``$NORMDENSE_BACKEND``, else auto); docs/gpu.md.
     """
-    # build_norm_layer names the attribute abbr + postfix ('gn1', 'gn2', ...): the same names as
-    # mmdet/mmseg GN models, so GN checkpoints map by key (proxy params then start at 0).
+    # build_norm_layer names it 'gn1', 'gn2', ... as in GN models, so GN checkpoints map by key
     _abbr_ = 'gn'
 
     def __init__(self,
@@ -229,7 +180,6 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
         if (isinstance(num_channels, bool) or not isinstance(num_channels, int)
                 or num_channels <= 0):
             raise ValueError(f'GNPN: num_channels must be a positive int, got {num_channels!r}')
-        # group policy (layers/groups.py); num_groups=1 is LN+PN
         policy = group_policy(num_groups, channels_per_group)
         num_groups = resolve_groups(num_channels, num_groups, channels_per_group, layer='GNPN')
         if not (isinstance(num_samples, int) and num_samples >= 2):
@@ -255,8 +205,7 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
         else:
             self.register_parameter('proxy_beta', None)
             self.register_parameter('proxy_gamma', None)
-        # The proxy samples are a pure function of num_samples: not a buffer (model.half() would
-        # round them and state dicts would carry a key); see _cached_quantiles.
+        # proxy samples are not a buffer: model.half() would round them and state dicts would carry a key
         self._proxy_ready = True
         self.reset_parameters()
 
@@ -279,7 +228,7 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
         if exporting():
             q = torch.tensor(_quantile_values(self.num_samples), dtype=dtype, device=weight.device)
         else:
-            q = _cached_quantiles(self.num_samples, dtype, weight.device)  # (n,)
+            q = _cached_quantiles(self.num_samples, dtype, weight.device)
         gamma = weight.to(dtype)[:, None]
         beta = bias.to(dtype)[:, None]
         if self.proxy_affine:
@@ -295,7 +244,7 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
         if x.dim() < 2 or x.size(1) != self.num_channels:
             raise ValueError(f'GNPN expects input (N, {self.num_channels}, ...), '
                              f'got shape {tuple(x.shape)}')
-        if self.num_groups == self.num_channels:  # only one channel per group can make a single-value group
+        if self.num_groups == self.num_channels:
             check_group_values(x, self.num_channels, self.num_groups, 'GNPN')
         if exporting():
             return self._export_form(x)
@@ -329,7 +278,6 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
     def _eq7(self, x: torch.Tensor, dtype: torch.dtype, weight, bias, proxy_beta, proxy_gamma) -> torch.Tensor:
         """Eq. 7 with the given parameters, computed in ``dtype`` with autocast disabled."""
         with torch.autocast(device_type=x.device.type, enabled=False):
-            # GN stage and affine fused into one group_norm call: gamma * GN(x) + beta
             u = F.group_norm(x.to(dtype), self.num_groups, weight.to(dtype), bias.to(dtype), self.eps)
             a = self.activation(u)
             mean, var = self._proxy_moments(weight, bias, proxy_beta, proxy_gamma, dtype)

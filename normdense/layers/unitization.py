@@ -1,55 +1,20 @@
 """Unitization (Huang et al., "An Internal Covariate Shift Bounding Algorithm for Deep Neural Networks by
-Unitizing Layers' Outputs", CVPR 2020; Algorithm 1-2, Eq. 16).
+Unitizing Layers' Outputs", CVPR 2020; Algorithm 1-2, Eq. 16). For X of shape (N, C, *spatial):
 
-Two stages, for an input X of shape (N, C, *spatial):
-
-1. Batch standardization per channel, without affine (Algorithm 2, line 5; Algorithm 1, lines 1-4)::
+1. Batch standardization per channel, without affine (Algorithm 2 line 5; Algorithm 1 lines 1-4)::
 
        x_hat[k, i, j] = (x[k, i, j] - mu_i) / sqrt(sigma2_i + eps)
 
-2. Per-sample partial unitization (Eq. 16 with the conv-layer norm of Algorithm 2, lines 9-14)::
+2. Per-sample partial unitization (Eq. 16; Algorithm 2 lines 9-14)::
 
        s_k      = sum_{i, j} x_hat[k, i, j]^2 / n          (all channels and positions of sample k)
        p_k      = 1 / sqrt(s_k + eps)
        x_bar    = (p_k * alpha_i + 1 - alpha_i) * x_hat[k, i, j]
        y        = gamma_i * x_bar + beta_i
 
-   alpha is trainable per channel and initialised at 0 (Sec. 4.2), so a fresh layer equals BN exactly.
-   ``n`` defaults to H*W (the number of positions of the current input, Sec. 3.6: "the norm is divided by
-   a constant related to the number of the pixels"); a fixed ``n`` keeps the divisor constant across
-   image sizes, which the paper does for its multi-scale ImageNet testing (Sec. 4.3). For (N, C) input
-   n defaults to 1 and stage 2 is exactly Algorithm 1 (p = 1/sqrt(||x_hat||^2 + eps)). The text of
-   line 9 is garbled in our copy of the paper ("s <- s/(nHW)"); we follow the prose, which makes n the
-   whole divisor with default HW.
-
-Statistics of stage 1:
-
-* ``mode='batch'`` (the paper): batch mean/biased variance in training, running statistics (updated
-  with ``momentum``, unbiased variance, as ``nn.BatchNorm``) in eval.
-* ``mode='estimate'`` (OUR extension, not in the paper): stage 1 normalizes with BCN-style estimates
-  mu_hat, sigma_hat^2 (init 0 and 1, Algorithm 1 of the WS/BCN paper) that the loss does not train. Each
-  training forward first moves them with rate r (``normdense.layers._estimate``), then
-  normalizes with them (once per training iteration, as BCN: a shared layer's calls and an activation
-  checkpoint's recomputation do not move them again); eval uses them unchanged. This removes the batch
-  dependence of stage 1 so the layer trains at batch size 1 on 1x1 maps (stage 2 is per sample anyway). r
-  comes from ``EstimateRateHook`` (alias ``BCNRateHook``; the optimizer's current lr, as BCN) or a fixed
-  ``update_rate``, in [0, 1]; a training forward with neither raises ``RuntimeError``. The estimates live in
-  the ``running_mean``/``running_var`` buffers (kept float32 under ``model.half()``/``bfloat16()``); an empty
-  input (a RoI head with no RoIs) still joins ``sync_stats``'s all-reduce, with a count of 0.
-
-Conventions of the only public implementation (a Keras repository), as options; the defaults are the
-paper's:
-
-* ``norm_divisor='hw_squared'``: the per-sample squared norm is divided by (H*W)^2 instead of H*W (its
-  ResNets pass ``image_size = H*W`` where the layer divides by ``image_size`` once more). Applies when
-  ``n`` is None.
-* ``var_correction='keras'``: training batches are normalized with the batch variance times
-  m / (m - 1 - eps), m = N*H*W values per channel (running statistics are unchanged).
-
-``fused=True`` (default) computes both stages as one map A x + B per (sample, channel) from the per-(n, c)
-moments of x (:func:`coeff_map`), with a closed-form backward (:func:`coeff_vjp`) that keeps only x (the
-StatNorm engine, ``normdense/layers/_statnorm.py``); ``fused=False`` is the reference composition below, which
-the tests compare it against.
+alpha starts at 0 (Sec. 4.2), so a fresh layer is BN. n defaults to H*W (Sec. 3.6; 1 for (N, C) input, which is
+Algorithm 1). ``mode='estimate'`` (our extension) standardizes with BCN-style running estimates instead of batch
+statistics. Options, the Keras code's conventions and why: docs/unitization_equinorm.md.
 """
 import functools
 import numbers
@@ -76,32 +41,28 @@ class UnitizationConfig(NamedTuple):
 
 
 def _var_factor(cfg, count) -> float:
-    # training batch variance factor: 1 (the paper) or m / (m - 1 - eps) (the Keras code)
     return count / (count - 1 - cfg.eps) if cfg.var_correction == 'keras' else 1.0
 
 
 def _divisor(cfg, positions: int) -> float:
-    # Algorithm 2 line 9: n, else H*W (the paper) or (H*W)^2 (the Keras code)
+    # Algorithm 2 line 9
     if cfg.n is not None:
         return cfg.n
     return float(positions) ** (2 if cfg.norm_divisor == 'hw_squared' else 1)
 
 
 def coeff_map(cfg, m, v, mean, var, params, positions, count):
-    """Both stages as per-(n, c) (A, B) of y = A (x - m) + B, from the per-(n, c) moments m, v of x and
-    stage 1's statistics (mean, var; the batch moments when ``count`` is given): with
-    rs = 1 / sqrt(var + eps), sum_{c, l} x_hat^2 = sum_c L (v + (m - mean)^2) rs^2 (Algorithm 2 lines
-    9-10), p = 1 / sqrt(s + eps) (Eq. 16), A = gamma (p alpha + 1 - alpha) rs, B = A (m - mean) + beta
-    (the output's mean per (n, c)). Pure."""
+    """Both stages as per-(n, c) (A, B) of y = A (x - m) + B from x's per-(n, c) moments m, v (``count``: batch
+    statistics): sum x_hat^2 = sum_c L (v + (m - mean)^2) rs^2, A = gamma (p alpha + 1 - alpha) rs. Pure."""
     alpha, w, b = (None if p is None else p.to(m.dtype) for p in params)
     if count is not None:
         var = var * _var_factor(cfg, count)
     rs = torch.rsqrt(var + cfg.eps)
     mc = m - mean
-    e = torch.addcmul(v, mc, mc)  # mean over positions of (x - mean)^2, per (n, c)
+    e = torch.addcmul(v, mc, mc)
     rs2 = rs * rs
     k = positions / _divisor(cfg, positions)
-    p = torch.rsqrt((e * rs2).sum(1, keepdim=True) * k + cfg.eps)  # (N, 1)
+    p = torch.rsqrt((e * rs2).sum(1, keepdim=True) * k + cfg.eps)
     sc0 = torch.addcmul(1.0 - alpha, p, alpha)
     scale = sc0 * w if cfg.affine else sc0
     a = scale * rs
@@ -121,7 +82,7 @@ def coeff_vjp(cfg, res, grads, wants_stats):
         dw = db = None
         g_sc0 = g_scale
     dalpha = (g_sc0 * (p - 1.0)).sum(0)
-    ds = (g_sc0 * alpha).sum(1, keepdim=True) * p.pow(3) * (-0.5 * k)  # d loss / d (sum_c e rs^2), (N, 1)
+    ds = (g_sc0 * alpha).sum(1, keepdim=True) * p.pow(3) * (-0.5 * k)  # d loss / d sum_c e rs^2
     de = ds * rs2
     dm = torch.addcmul(gb * a, de, mc, value=2.0)
     dmean = dvar = None
@@ -133,26 +94,21 @@ def coeff_vjp(cfg, res, grads, wants_stats):
 
 
 class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
-    """Unitization layer (Algorithm 2); see the module docstring.
+    """Unitization layer (Algorithm 2).
 
     Args:
         num_features: channels C (positional, as mmcv's ``build_norm_layer`` passes it).
-        eps: epsilon of both the standardization (Algorithm 1 line 4) and p (line 5 / Eq. 16).
-        momentum: running-statistics momentum of ``'batch'`` mode (``None``: cumulative average).
-        affine: learn gamma and beta (line 14). alpha is always learned.
-        n: divisor of the per-sample squared norm (Algorithm 2 line 9). ``None`` (default) uses the
-            number of spatial positions of the current input (H*W); a positive number fixes it.
-        mode: ``'batch'`` (the paper) or ``'estimate'`` (BCN-style running estimates; our extension).
-        update_rate: fixed r in [0, 1] for ``'estimate'`` mode; ``None`` takes it from ``EstimateRateHook``.
-        sync_stats: all-reduce the estimate update across processes (estimate mode only), as BCN does.
-        norm_divisor: ``'hw'`` (the paper) or ``'hw_squared'`` (the Keras code) when ``n`` is None.
-        var_correction: ``'none'`` (the paper) or ``'keras'`` (training batch variance times
-            m / (m - 1 - eps)).
-        fused: one fused pass with an analytic backward keeping only the input (default); ``False`` runs
-            the reference composition.
-        backend: the fused path's kernels: ``'aten'``, ``'triton'`` (CUDA; CPU tensors only under
-            ``TRITON_INTERPRET=1``), ``'auto'`` (Triton for CUDA tensors when it imports, else ATen) or None
-            (default: the environment variable ``NORMDENSE_BACKEND``, else auto). docs/gpu.md.
+        eps: of both the standardization and p (Eq. 16); must be > 0.
+        momentum: batch mode's running-statistics momentum (None: cumulative average).
+        affine: learn gamma and beta (alpha is always learned).
+        n: divisor of the squared norm (Algorithm 2 line 9); None (default): the input's H*W.
+        mode: ``'batch'`` (the paper) or ``'estimate'`` (running estimates moved with r, as BCN's).
+        update_rate: fixed r in [0, 1]; None: ``EstimateRateHook``'s lr, else a training forward raises.
+        sync_stats: all-reduce the estimate update across processes (estimate mode).
+        norm_divisor: ``'hw'`` (the paper) or ``'hw_squared'`` (the Keras code), with ``n=None``.
+        var_correction: ``'none'`` (the paper) or ``'keras'`` (training batch variance times m / (m - 1 - eps)).
+        fused: one pass with an analytic backward keeping only the input (default); False: the reference ops.
+        backend: ``'aten'``, ``'triton'``, ``'auto'`` or None (``$NORMDENSE_BACKEND``, else auto); docs/gpu.md.
     """
     _abbr_ = 'un'
 
@@ -197,10 +153,9 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
         self._reset_statnorm_buffers()
 
     def _stage1_stats(self, x: torch.Tensor):
-        """Mean and variance that standardize x (Algorithm 2 line 5), updating buffers in training."""
+        """Stage 1's mean and variance (Algorithm 2 line 5), updating buffers in training."""
         dims = [d for d in range(x.dim()) if d != 1]
         if self.mode == 'estimate':
-            # Constants for autograd: the estimates are not trained by the loss (WS/BCN Algorithm 1).
             mean, var = self.estimates_from_input(x) if self.training else (self.running_mean, self.running_var)
             return mean.to(x.dtype), var.to(x.dtype)
         if not self.training:
@@ -212,7 +167,7 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
                 f"statistics, got input of shape {tuple(x.shape)}; use mode='estimate' for batch size 1 "
                 f"on 1x1 maps")
         var, mean = torch.var_mean(x, dim=dims, correction=0)
-        if not in_backward():  # a checkpoint's recomputation tracks nothing: the forward did
+        if not in_backward():  # a checkpoint's recomputation: the forward tracked
             self._track(mean.detach(), var.detach(), count)
         return mean, var * _var_factor(self._config(), count)
 
@@ -225,16 +180,15 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
         return self._forward(x)
 
     def _eval_form(self, x: torch.Tensor) -> torch.Tensor:
-        """The eval output in standard ops (ONNX export): both stages with the running statistics or estimates."""
+        """The eval output in standard ops (ONNX export)."""
         xf = self.compute_input(x)
         return self._unitize(xf, self.running_mean.to(xf.dtype), self.running_var.to(xf.dtype), self.alpha,
                              self.weight, self.bias).to(x.dtype)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == 0:
-            # mmdet's RoI heads can see zero RoIs: no statistics to take (they would be NaN and poison
-            # the running buffers); keep the parameters in the graph for DDP. Estimate mode still joins
-            # the other ranks' all-reduce of the update (with a count of 0), so the collectives line up.
+            # zero RoIs: no statistics (NaN), parameters kept in the graph for DDP; estimate mode still joins
+            # the other ranks' all-reduce (count 0) so collectives line up
             if self.mode == 'estimate' and self.training:
                 self._stage1_stats(self.compute_input(x))
             return self._watch(x * 0 + sum(p.sum() for p in self.parameters()) * 0)
@@ -253,31 +207,28 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
     def _coeff_maps(self, triton: bool):
         cfg = self._config()
         if triton:
-            from ..kernels import unitization as kernels  # triton imported only when the Triton backend runs
+            from ..kernels import unitization as kernels
             return (functools.partial(kernels.coeff_map, **cfg._asdict()),
                     functools.partial(kernels.coeff_vjp, affine=cfg.affine))
         return functools.partial(coeff_map, cfg), functools.partial(coeff_vjp, cfg)
 
     def _unitize(self, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, alpha: torch.Tensor, weight,
                  bias) -> torch.Tensor:
-        """Stage 1 with the given statistics, then stage 2 and the affine (x in its compute dtype;
-        ``weight``/``bias`` None without affine)."""
+        """Both stages and the affine with the given statistics (x in its compute dtype)."""
         bshape = (1, -1) + (1,) * (x.dim() - 2)
         x_hat = (x - mean.view(bshape)) * torch.rsqrt(var.view(bshape) + self.eps)
         n = _divisor(self._config(), x[0, 0].numel())
-        s = x_hat.pow(2).flatten(1).sum(1) / n                                  # (N,)
+        s = x_hat.pow(2).flatten(1).sum(1) / n
         p = torch.rsqrt(s + self.eps)
         alpha = alpha.to(x.dtype)
-        scale = p[:, None] * alpha[None, :] + (1.0 - alpha)[None, :]          # (N, C)
+        scale = p[:, None] * alpha[None, :] + (1.0 - alpha)[None, :]  # (N, C)
         if self.affine:
-            # gamma * (scale * x_hat) + beta with the per-sample, per-channel factors fused.
             scale = scale * weight.to(x.dtype)[None, :]
             return x_hat * scale.view(scale.shape + (1,) * (x.dim() - 2)) + bias.to(x.dtype).view(bshape)
         return x_hat * scale.view(scale.shape + (1,) * (x.dim() - 2))
 
     def eval_affine(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(scale, shift) per channel, float64, of the eval-mode stage 1 ``(x - mu) / sqrt(var + eps)``;
-        stage 2 (the per-sample unitization) depends on the data and stays."""
+        """(scale, shift) per channel, float64, of the eval-mode stage 1; stage 2 depends on the data."""
         return standardization_affine(self.running_mean, self.running_var, self.eps)
 
     def extra_repr(self) -> str:

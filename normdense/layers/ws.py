@@ -1,27 +1,18 @@
-"""Weight Standardization (Qiao et al., "Micro-Batch Training with Batch-Channel Normalization and
-Weight Standardization", Sec. 4.1, Eq. 5-7).
+"""Weight Standardization (Qiao et al., "Micro-Batch Training with Batch-Channel Normalization and Weight
+Standardization", arXiv:1903.10520, Sec. 4.1, Eq. 5-7). Per output channel i, over its C_in/groups x kH x kW
+weights::
 
-Per output channel i, over the I = C_in/groups x kH x kW weights feeding it::
-
-    W_hat[i, j] = (W[i, j] - mu_i) / sigma_i                       (Eq. 5)
-    y = W_hat * x                                                  (Eq. 6)
+    W_hat[i, j] = (W[i, j] - mu_i) / sigma_i                                  (Eq. 5)
+    y = W_hat * x                                                             (Eq. 6)
     mu_i = mean_j W[i, j],  sigma_i = sqrt(mean_j W[i, j]^2 - mu_i^2 + eps)   (Eq. 7)
 
-No affine: the norm layer that follows provides it. Where eps goes differs between the paper and the
-authors' public code, so it is an explicit choice (``formula``):
+No affine (the next norm has one). Where eps goes differs between the paper and the authors' code (``formula``):
 
 ``'paper'``         sigma = sqrt(var_biased + eps)          Eq. 7 (the default)
 ``'std_unbiased'``  sigma = std_unbiased + eps              the authors' first release and mmcv's ConvWS
 ``'var_unbiased'``  sigma = sqrt(var_unbiased + eps)        the code that trained the authors' BCN models
 
-The three are different functions of the same weights (biased vs unbiased variance, eps inside or
-outside the root; the difference compounds through a network), so the formula and eps a conv was trained
-with are saved *with its weights*: ``WSConv2d``'s state dict holds ``_extra_state`` = float64
-``[index in WS_FORMULAS, eps]`` (a tensor, so ``.cpu()``, ``.half()``, weights-only loads and mmengine's
-checkpoint tools handle it like any weight). Loading sets them, so a
-reload, ``load_from``, ``--resume``, ``tools/test.py`` and ``tools/deploy.py`` compute the trained function
-whatever the config says; a disagreeing config gets one warning line per load. State dicts without the
-entry (saved before it existed) load strictly and keep the configured formula.
+The formula and eps travel with the weights (``_extra_state``; docs/ws_bcn.md).
 """
 import logging
 import math
@@ -34,7 +25,7 @@ from ._utils import autocast_enabled
 
 # Checkpoints store a formula as its index here: append new formulas, never reorder.
 WS_FORMULAS = ('paper', 'std_unbiased', 'var_unbiased')
-EXTRA_STATE_KEY = '_extra_state'  # torch's name for get_extra_state()'s entry in a state dict
+EXTRA_STATE_KEY = '_extra_state'
 
 
 def _check_formula(formula):
@@ -43,17 +34,13 @@ def _check_formula(formula):
 
 
 def standardize_weight(weight: torch.Tensor, eps: float = 1e-5, formula: str = 'paper') -> torch.Tensor:
-    """Return the standardized weight of Eq. 5/7, differentiable, computed in at least fp32.
-
-    Half-precision weights (autocast, fp16 training) are standardized in fp32 because the variance of a
-    small fan-in overflows or underflows in fp16; the caller's conv casts the result as usual.
-    """
+    """The standardized weight of Eq. 5/7, differentiable, in at least fp32 (a small fan-in's variance under- or
+    overflows in fp16)."""
     _check_formula(formula)
     w = weight if weight.dtype in (torch.float32, torch.float64) else weight.float()
     flat = w.reshape(w.shape[0], -1)
     if formula == 'paper' and eps > 0 and flat.shape[1] > 1:
-        # Eq. 7 as written is exactly layer_norm over each output channel's fan-in (biased variance, eps
-        # inside the root): one fused kernel instead of var_mean + arithmetic (timings: docs/performance.md).
+        # Eq. 7 is exactly layer_norm over each fan-in: one fused kernel (docs/performance.md)
         with torch.autocast(device_type=w.device.type, enabled=False):
             out = F.layer_norm(flat, (flat.shape[1], ), eps=eps)
         return out.reshape(w.shape)
@@ -89,7 +76,7 @@ def _describe(obj):
 
 
 def _log_warning(message: str) -> None:
-    """One warning line through mmengine's current logger (the layer itself needs only torch)."""
+    """One warning line through mmengine's current logger."""
     try:
         from mmengine.logging import print_log
     except ImportError:  # pragma: no cover - normdense installs mmengine
@@ -99,32 +86,26 @@ def _log_warning(message: str) -> None:
     print_log(message, logger='current', level=logging.WARNING)
 
 
-# The load call seen last (its missing-keys list, which torch and mmengine pass unchanged to every module's
-# _load_from_state_dict) and the (configured, loaded) switches already reported for it. Holding the list
-# keeps its id from being reused by a later call.
+# The last load call (its missing-keys list, shared by every module's _load_from_state_dict; holding it keeps its
+# id from being reused) and the (configured, loaded) switches already reported for it.
 _reported = [None, set()]
 
 
 class WSConv2d(nn.Conv2d):
-    """Conv2d whose weight is standardized per output channel before every convolution (Eq. 5-7).
+    """``nn.Conv2d`` (``conv_cfg=dict(type='WSConv2d')``) convolving with its raw ``weight`` standardized (Eq. 5-7).
 
-    A drop-in for ``nn.Conv2d`` (and for mmcv ``conv_cfg=dict(type='WSConv2d')`` in ConvModule,
-    mmdet/mmseg ResNet, FPN and RoI heads). The stored ``weight`` is the raw W that SGD updates; the
-    convolution uses ``standardized_weight()``.
-
-    The formula and eps are part of the state dict (``_extra_state``, see the module docstring): loading
-    weights saved with other values switches the layer to them and logs one line per load (per
-    configured/loaded pair); weights saved without them keep the configured values.
+    Loading a state dict saved with another formula or eps switches the layer to them, with one warning line per
+    load; state dicts without ``_extra_state`` keep the configured values.
 
     Args:
-        eps: numerical guard of Eq. 7.
-        formula: where eps goes, see the module docstring (default: the paper's).
+        eps: numerical guard of Eq. 7; must be > 0.
+        formula: where eps goes (module docstring; default ``'paper'``).
     """
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
                  bias=True, padding_mode='zeros', eps=1e-5, formula='paper', device=None, dtype=None):
         _check_formula(formula)
-        if not eps > 0:  # eps <= 0 divides by zero (or a negative) for a constant filter
+        if not eps > 0:
             raise ValueError(f'WSConv2d eps must be positive, got {eps!r}')
         super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding,
                          dilation=dilation, groups=groups, bias=bias, padding_mode=padding_mode,
@@ -144,7 +125,6 @@ class WSConv2d(nn.Conv2d):
     def extra_repr(self):
         return super().extra_repr() + f', eps={self.eps}, formula={self.formula!r}'
 
-    # ---- the formula travels with the weights -------------------------------------------------------
     def get_extra_state(self) -> torch.Tensor:
         return ws_state(self.formula, self.eps)
 
@@ -156,7 +136,7 @@ class WSConv2d(nn.Conv2d):
         except ValueError as e:
             raise ValueError(f'WSConv2d: cannot read the WS formula saved in {name}: {e}') from None
         if state.dtype != torch.float64 and torch.tensor(self.eps, dtype=state.dtype).item() == eps:
-            eps = self.eps  # a state dict cast to a lower precision (e.g. .half()) rounds eps: same value
+            eps = self.eps  # a state dict cast by .half() rounds eps: the same value
         configured = (self.formula, self.eps)
         self.formula, self.eps = formula, eps
         if configured == (formula, eps):
@@ -176,8 +156,7 @@ class WSConv2d(nn.Conv2d):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        # missing_keys: the same list for every module of one load call, so set_extra_state reports each
-        # switch once per load rather than once per conv
+        # missing_keys is one list per load call: set_extra_state reports each switch once per load
         self._ws_loading = (missing_keys, prefix)
         try:
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
@@ -186,20 +165,15 @@ class WSConv2d(nn.Conv2d):
             del self._ws_loading
         key = prefix + EXTRA_STATE_KEY
         if key not in state_dict and key in missing_keys:
-            # saved before the formula was part of the state (or by a plain conv): keep the configured one
+            # saved before the formula was saved (or by a plain conv): keep the configured one
             missing_keys.remove(key)
 
     @classmethod
     def convert_conv(cls, module: nn.Module, eps: float = 1e-5, formula: str = 'paper',
                      exclude=lambda name, conv: False) -> nn.Module:
-        """Swap every plain ``nn.Conv2d`` in ``module`` (or ``module`` itself) for a WSConv2d with the
-        same weights, in the style of detectron2's ``FrozenBatchNorm2d.convert_frozen_batchnorm``.
-
-        The raw weights are copied, so the *effective* kernel becomes their standardized version: the
-        network's function changes unless the weights were already standardized (e.g. trained with WS).
-        ``exclude(name, conv)`` keeps chosen convs plain (the paper leaves RPN head and predictors plain).
-        Returns the converted module (a new object only when ``module`` itself is a Conv2d).
-        """
+        """Swap every plain ``nn.Conv2d`` in ``module`` (or ``module`` itself) for a WSConv2d with the same raw
+        weights (so the function changes unless they were trained with WS); ``exclude(name, conv)`` keeps convs
+        plain. Returns the converted module (new only when ``module`` is a Conv2d), as detectron2's converters."""
         return _convert_convs(cls, module, '', eps, formula, exclude)
 
 
