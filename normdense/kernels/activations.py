@@ -15,35 +15,8 @@ computation. Constants multiply tiles from the right (``tile * CONST``): the int
 constexpr on the left into a tensor op.
 
 Two forms of the transcendental activations, chosen at compile time by the constexpr ``FAST`` (True where
-``triton.jit`` compiles, False under ``TRITON_INTERPRET=1``); no call site changes. The portable form, for the
-interpreter, which cannot run libdevice: tanh and expm1/log1p from tl.exp/tl.log in forms accurate to a few
-ulps, erf from tl.erf. The compiled form spends fewer transcendental operations per element (the coefficient
-passes are compute-bound on these, not memory-bound):
-
-====================  ================================================  =========================================
-activation            portable                                          compiled (``FAST``)
-====================  ================================================  =========================================
-elu, celu, selu: phi  Kahan's expm1 (exp, log, division)                libdevice ``expm1``
-softplus: phi         Goldberg's log1p (log, division)                  libdevice ``log1p``
-tanh: phi             -e / (2 + e), e = expm1(-2|z|)                    libdevice ``tanh``
-tanh: phi'            1 - tanh(z)^2                                     4 e / (1 + e)^2, e = exp(-2|z|)
-mish: phi, phi'       tanh(softplus z), sigmoid z: 3 exp, 2 log, 4 div  ``_mish_parts``: 1 exp, 1 division
-gelu (tanh): phi'     sigmoid(2u) and sigmoid(-2u)                      ``_sigmoid_and_slope``: 1 exp, 1 division
-====================  ================================================  =========================================
-
-The rest is one code in both: relu, relu6, leaky_relu, hardswish (no transcendental), gelu (tl.erf, libdevice's
-erf once compiled), silu and sigmoid (one exp and one division already), the phi' of elu/celu/selu/softplus
-(one exp). The exp-and-division forms of the table run in the interpreter too (tests call them directly).
-
-Precision of the compiled form. float32: tl.exp is ``ex2.approx.f32`` (2 ulp, plus |z| 2^-24 relative from
-rounding z log2(e)), a division ``div.full.f32`` (2 ulp), libdevice's expm1f/log1pf/tanhf within 1/1/2 ulp
-(CUDA math API; denormals flushed): the float32 tolerance stays the portable form's, within rtol 1e-6 and
-atol 1e-6 of float64 torch (tests/cuda/test_fast_activations.py), kinks included (they are the same selects).
-``tanh.approx.f32`` (one MUFU op, but 2^-11 relative error) is not used: it would break that tolerance.
-float64: libdevice's double functions (expm1, log1p, tanh 1 ulp; their only approximate instructions are an
-``rcp.approx.ftz.f64`` seed that Newton steps refine and ``ex2.approx.ftz.f32`` of an integer, an exact power
-of 2), exp through libdevice, divisions ``div.rn.f64``: float64 stays exact to a few ulps (rtol 1e-12).
-tests/kernels/test_activation_ptx.py compiles both forms for sm_90 and counts their PTX instructions.
+``triton.jit`` compiles, False under ``TRITON_INTERPRET=1``, which cannot run libdevice); no call site changes.
+The forms, their operation counts and precision: docs/gpu.md, "Kernel tuning notes".
 
 Nothing here imports ``normdense.layers``; the names are a literal (a test checks them against
 ``PROXY_NORM_ACTIVATIONS``).

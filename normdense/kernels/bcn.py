@@ -10,30 +10,21 @@ For per-(n, c) moments m, v of x and first-stage statistics mean, var (C,):
 
 with gamma^c, beta^c per group (``group_affine``) or per channel.
 
-Layout: [BLOCK_N, BLOCK_G, BLOCK_P] tiles of (sample, group, channel in group), so the per-(n, g) statistics
-are reductions along the last axis. The map has no dependence across samples: a 2-D grid of (group block,
-sample block) programs. The VJP's per-channel gradients are sums over N: a program owns its channels and
-one block of samples, summed in BLOCK_N steps; at large N several sample blocks write partial rows that dx
-sums (``second_stage``: fixed order, deterministic, no atomics, no launch of its own). A group of more than
-``CHUNK`` channels is walked in chunks of CHUNK channels (passes for the group sums, then one for the outputs)
-so no tile outgrows the registers; then the VJP runs one program per (group, chunk, sample block), each
-recomputing its samples' group sums over all chunks. The VJP recomputes d, r, s from its inputs.
-In float64, 1 / sqrt is correctly rounded (``tl.rsqrt`` is ``rsqrt.approx.f64`` on sm_90).
-Given the engine's planned first stage (``first=``), each map program runs it for its own groups and samples
-first (``first_stage.fold``), so moments merge, statistics and map take one launch.
+Layout: [BLOCK_N, BLOCK_G, BLOCK_P] tiles of (sample, group, channel in group); the map on a grid of (group
+block, sample block) programs, each running the planned first stage (``first=``) for its own groups and
+samples first (``first_stage.fold``); the VJP one program per (group block[, chunk], sample block), whose
+per-channel sums over N dx finishes at large N (``common.BlockSums``). A group wider than ``chunk`` channels
+is walked in chunks (passes for the group sums, then the outputs). The VJP recomputes d, r, s.
 """
 import torch
 import triton
 import triton.language as tl
 
-from .blocks import sample_blocks, spread
-from .first_stage import FOLD_SIZES, fold, fold_args, split_args, split_sum
-from .scalars import rsqrt
-from .second_stage import BlockSums
+from .common import CHUNK, BlockSums, group_tiles, rsqrt, sample_blocks, split_args, split_sum
+from .first_stage import FOLD_SIZES, fold, fold_args
 
 _CHANNELS = 128  # channels (whole groups) of a tile when the groups are small
-_TILE = 512  # elements of a [BLOCK_N, BLOCK_G, BLOCK_P] tile: no register spills in float64 (ptxas -v)
-CHUNK = 256  # a group of more channels is walked in chunks of this many (module-level: the tests lower it)
+_TILE = 512  # elements of a [BLOCK_N, BLOCK_G, BLOCK_P] tile (no spills in float64)
 
 
 @triton.jit
@@ -102,8 +93,7 @@ def _group_stats(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, pid_g, rows, r
 
 @triton.jit(do_not_specialize=['N', 'C', 'G', 'PER'] + FOLD_SIZES)
 def _bcn_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, b_ptr, a_ptr, bo_ptr,
-                    N, C, G, PER, f_part, f_m, f_v, f_mean, f_var, f_smean, f_svar, f_base, f_moved, f_upd, f_nbt,
-                    fN, fC, fL, fCHUNK, fSPLIT, f_rate_hi, f_rate_lo, f_mom_hi, f_mom_lo, fWRITE,
+                    N, C, G, PER, F, fL, fCHUNK, fSPLIT, fWRITE,
                     EPS: tl.constexpr, GROUP_AFFINE: tl.constexpr, CHUNKED: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, FOLD: tl.constexpr,
                     FMODE: tl.constexpr, FCUM: tl.constexpr, FBLOCK_N: tl.constexpr, FBLOCK_C: tl.constexpr):
@@ -113,8 +103,7 @@ def _bcn_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, b_pt
     dt = m_ptr.dtype.element_ty
     if FOLD:  # the first stage of this program's groups and samples, in this launch (m, v, mean, var written)
         n_lo = tl.program_id(1) * BLOCK_N
-        fold(f_part, f_m, f_v, f_mean, f_var, f_smean, f_svar, f_base, f_moved, f_upd, f_nbt, fN, fC, fL, fCHUNK,
-             fSPLIT, f_rate_hi, f_rate_lo, f_mom_hi, f_mom_lo, fWRITE, pid_g * BLOCK_G * PER,
+        fold(F, N, C, fL, fCHUNK, fSPLIT, fWRITE, pid_g * BLOCK_G * PER,
              tl.minimum(pid_g * BLOCK_G + BLOCK_G, G) * PER, n_lo, tl.minimum(n_lo + BLOCK_N, N),
              tl.program_id(1) == 0, FMODE, FCUM, FBLOCK_N, FBLOCK_C, dt)
     inv = 1.0 / tl.cast(PER, dt)  # one division (a float64 one is a subroutine call: register saves)
@@ -142,8 +131,7 @@ def _bcn_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, b_pt
         d = tl.where(mask, um - (tl.sum(um, axis=2) * inv)[:, :, None], 0.0)
         v = tl.load(v_ptr + off, mask=mask, other=0.0)
         r = rsqrt(tl.sum(v * (a * a) + d * d, axis=2) * inv + EPS)[:, :, None]
-        # loaded after the division: fewer live registers around its float64 slow-path call (no spills)
-        w = _channel_affine(w_ptr, grp, gmask, ch, cmask, dt, GROUP_AFFINE)
+        w = _channel_affine(w_ptr, grp, gmask, ch, cmask, dt, GROUP_AFFINE)  # after the division: no spills
         b = _channel_affine(b_ptr, grp, gmask, ch, cmask, dt, GROUP_AFFINE)
         s = r * w
         tl.store(a_ptr + off, s * a, mask=mask)
@@ -182,7 +170,7 @@ def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_p
     acc_gw = tl.zeros([BLOCK_N, BLOCK_G, 1], dtype=dt)  # CHUNKED, GROUP_AFFINE: per-group sums over N
     acc_gb = tl.zeros([BLOCK_N, BLOCK_G, 1], dtype=dt)
     # this program's samples: block program_id(2) of N_PER (its sums: row program_id(2) of the outputs, PSTRIDE
-    # apart; second_stage)
+    # apart; common.BlockSums)
     for n0 in range(0, N_PER, BLOCK_N):  # N_PER: a multiple of BLOCK_N
         rows = tl.program_id(2) * N_PER + n0 + tl.arange(0, BLOCK_N)[:, None, None]
         rmask = rows < N
@@ -230,7 +218,6 @@ def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_p
             mc, um = _um(m_ptr, off, mask, mean, a, bb)
             d = tl.where(mask, um - (tl.sum(um, axis=2) * inv)[:, :, None], 0.0)
             r = rsqrt(tl.sum(v * (a * a) + d * d, axis=2) * inv + EPS)[:, :, None]
-            # loaded after the division: fewer live registers around its float64 slow-path call (no spills)
             ga = split_sum(ga_ptr, off, mask, GSPLIT, GSTRIDE, dt)
             gb = split_sum(gb_ptr, off, mask, GSPLIT, GSTRIDE, dt)
             s = r * w
@@ -267,38 +254,31 @@ def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_p
         tl.store(db_ptr + ch, tl.sum(acc_db, axis=0, keep_dims=True), mask=cmask)
 
 
-def _blocks(n: int, c: int, num_groups: int, vjp: bool = False):
+def _blocks(n: int, c: int, num_groups: int, vjp: bool = False, chunk: int = CHUNK, tile: int = _TILE):
     """(per, CHUNKED, BLOCK_N, BLOCK_G, BLOCK_P, num_warps) from a fixed menu keyed on the sizes (powers of 2:
-    a few compiled variants, none per batch size); ``vjp``: the VJP's, spread over more programs when the
-    samples take several iterations (``blocks.spread``)."""
+    a few compiled variants, none per batch size): ``common.group_tiles`` of ``tile`` elements, groups wider
+    than ``chunk`` channels walked in chunks; ``vjp``: the VJP's."""
     if num_groups <= 0 or c % num_groups:
         raise ValueError(f'BCN kernels: num_groups={num_groups} must be positive and divide C={c}')
     per = c // num_groups
-    block_p = triton.next_power_of_2(per)
-    chunked = block_p > CHUNK
-    if chunked:
-        block_p, block_g = CHUNK, 1
-    else:
-        block_g = min(triton.next_power_of_2(num_groups), max(1, _CHANNELS // block_p))
-    block_n = min(triton.next_power_of_2(n), max(1, _TILE // (block_g * block_p)))
-    if vjp and not chunked:
-        block_n, block_g = spread(n, num_groups, block_n, block_g, block_p, _TILE)
-    if chunked or (vjp and block_p >= CHUNK):  # N = 1 too: ptxas spilled a few bytes of the VJP at [1, 1, 256]
-        block_n = max(2, block_n)  # (float32, 4 warps), chunked or one group of 256
+    chunked, block_n, block_g, block_p = group_tiles(n, num_groups, per, _CHANNELS, tile, chunk, vjp)
+    if chunked or (vjp and block_p >= chunk):  # at least 2 samples per tile (no spills: docs/gpu.md)
+        block_n = max(2, block_n)
     num_warps = max(1, min(8, block_n * block_g * block_p // 64))
     return per, chunked, block_n, block_g, block_p, num_warps
 
 
 def coeff_map(m, v, mean, var, params, positions, count, *, num_groups: int, eps: float, group_affine: bool,
-              first=None):
+              first=None, chunk: int = CHUNK, tile: int = _TILE):
     """Triton ``normdense.layers.bcn.coeff_map`` (Eq. 40-42), one launch: ((A, B), res) with A, B (N, C) in m's
     dtype. ``positions`` and ``count`` do not enter BCN's map (as in the torch method); ``res`` is the
     inputs, which :func:`coeff_vjp` recomputes the intermediates from. ``first``: the engine's planned first
-    stage (``first_stage.FirstStage``, whose outputs m, v, mean, var are): run in this launch."""
+    stage (``first_stage.FirstStage``, whose outputs m, v, mean, var are): run in this launch. ``chunk``,
+    ``tile``: :func:`_blocks`'s."""
     bw, bb, w, b = (p.contiguous() for p in params)
     m, v, mean, var = m.contiguous(), v.contiguous(), mean.contiguous(), var.contiguous()
     n, c = m.shape
-    per, chunked, block_n, block_g, block_p, warps = _blocks(n, c, num_groups)
+    per, chunked, block_n, block_g, block_p, warps = _blocks(n, c, num_groups, chunk=chunk, tile=tile)
     a_out, b_out = torch.empty_like(m), torch.empty_like(m)
     grid = (triton.cdiv(num_groups, block_g), triton.cdiv(n, block_n))
     fargs, fconst = fold_args(first, m)
@@ -308,17 +288,18 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups: int, eps
     return (a_out, b_out), (m, v, mean, var, bw, bb, w, b)
 
 
-def coeff_vjp(res, grads, wants_stats, *, num_groups: int, eps: float, group_affine: bool, defer: bool = False):
+def coeff_vjp(res, grads, wants_stats, *, num_groups: int, eps: float, group_affine: bool, defer: bool = False,
+              chunk: int = CHUNK, tile: int = _TILE):
     """Triton ``BatchChannelNorm2d.coeff_vjp``, one launch: (dm, dv, dmean, dvar, (d batch_weight, d batch_bias,
     d weight, d bias)) for the gradients (gA, gB) of (A, B), each (N, C) or its (SPLIT, N, C) chunk partials
     (added in the kernel); dm, dv, dmean, dvar in m's dtype (dmean, dvar None unless ``wants_stats``: batch
     statistics), the parameter gradients in the parameters' dtypes. Many samples run on sample blocks too
-    (``second_stage``): ``defer`` returns their partials, dmean, dvar (SB, C) and a ``BlockSums`` in place of
-    the parameter gradients, for dx to sum; else they are summed here."""
+    (``common.BlockSums``): ``defer`` returns their partials, dmean, dvar (SB, C) and the ``BlockSums`` in place
+    of the parameter gradients, for dx to sum; else they are summed here. ``chunk``, ``tile``: as coeff_map's."""
     m, v, mean, var, bw, bb, w, b = res
     ga, gb = (t if t.dim() == 3 else t.contiguous() for t in grads)
     n, c = m.shape
-    per, chunked, block_n, block_g, block_p, warps = _blocks(n, c, num_groups, vjp=True)
+    per, chunked, block_n, block_g, block_p, warps = _blocks(n, c, num_groups, True, chunk, tile)
     dm, dv = torch.empty_like(m), torch.empty_like(m)
     grid = (triton.cdiv(num_groups, block_g), triton.cdiv(per, block_p) if chunked else 1)
     blocks, n_per = sample_blocks(n, block_n, grid[0] * grid[1])

@@ -1,38 +1,29 @@
 """The StatNorm engine's first stage in Triton: the chunks' moments merged into the per-(n, c) m, v and, by mode,
-the per-channel statistics (C,) the coefficient maps take. Device functions, so that a layer's coefficient
-kernel can run them in its own launch (the stats step folded into the map), plus the standalone stats kernel
-(the path whose m, v torch code reads first: the all-reduce of ``sync_stats``).
+the per-channel statistics (C,) the coefficient maps take: device functions that a layer's coefficient kernel
+runs in its own launch (:func:`fold`), and the standalone stats kernel (``sync_stats``: torch reads m, v first).
 
-Modes (``aten.STATS_*``):
-  NONE: m, v only (GN+PN);
-  FIXED: mean, var copied from stat_mean / stat_var (eval: the running statistics);
-  ESTIMATE: Algorithm 1 steps 1-4 of arXiv:1903.10520 from the estimates at the iteration's start (stat_* when
-    WRITE, which then also copies them to base; else base): the batch mean and the second moment around the
-    estimate (moved, (2, C)), the estimates moved by ``rate`` towards them (mean, var); WRITE: the running
-    estimates' new values (upd, (2, C)) are them;
-  BATCH: the batch mean and biased variance, two passes over the samples (the mean, then the mean of
-    v + (m - mean)^2: the law of total variance, centred, as the ATen backend); WRITE: the running statistics'
-    new values (upd): tracked with the unbiased variance, ``momentum`` or the cumulative 1 / (tracked + 1).
-Nothing of the module's state is written here: the apply kernel, the forward's last, copies upd into the
-buffers and counts num_batches_tracked, so a kernel failing to compile leaves the state as it was.
-
-Samples are taken BLOCK_N at a time as [BLOCK_N, BLOCK_C] tiles (a few iterations at classification batch
-sizes, not one dependent load per sample); block sizes are keyed on C only, so a batch size never recompiles.
+Modes (``backend.STATS_*``): NONE: m, v only (GN+PN); FIXED: mean, var copied from stat_mean / stat_var (eval);
+ESTIMATE: Algorithm 1 steps 1-4 of arXiv:1903.10520 from the estimates at the iteration's start (stat_* when
+WRITE, which also copies them to base; else base): the batch mean and second moment around the estimate
+(moved, (2, C)) and the estimates moved by ``rate`` towards them; BATCH: the batch mean and biased variance
+(two passes: the law of total variance, centred), tracked with the unbiased variance (``momentum`` or the
+cumulative 1 / (tracked + 1)). WRITE: the new running values (upd, (2, C)), which the apply kernel, the
+forward's last, copies into the buffers: a kernel failing to compile leaves the module's state as it was.
+Samples are taken in [BLOCK_N, BLOCK_C] tiles; block sizes are keyed on C only: a batch size never recompiles.
 """
 import torch
 import triton
 import triton.language as tl
 
-from .backend import STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, STATS_NONE  # noqa: F401  (the modes)
-from .scalars import from_hi_lo, hi_lo
+from .backend import STATS_BATCH, STATS_ESTIMATE, STATS_NONE
+from .common import acc_dtype, from_hi_lo, hi_lo
 
 
 @triton.jit
 def row_moments(part_ptr, rows, mask, ROWS, L, CHUNK, SPLIT, ACC: tl.constexpr):
     """(mean, centred sum of squares) of the rows ``rows`` (any tile shape) from the chunks' partials (SPLIT, 2,
     ROWS), merged in chunk order with Chan et al.'s update (deterministic; no E[x^2] - E[x]^2)."""
-    # every row has the same chunk sizes: the weights are scalars (a float64 division is a subroutine call on
-    # sm_90, with register saves around it: none per element)
+    # every row has the same chunk sizes: the weights are scalars (no float64 division per element)
     cnt = tl.zeros([], ACC)
     mean = tl.zeros(rows.shape, ACC)
     m2 = tl.zeros(rows.shape, ACC)
@@ -49,30 +40,13 @@ def row_moments(part_ptr, rows, mask, ROWS, L, CHUNK, SPLIT, ACC: tl.constexpr):
 
 
 @triton.jit
-def split_sum(ptr, off, mask, SPLIT, STRIDE, dt: tl.constexpr):
-    """sum over s < SPLIT of ptr[s * STRIDE + off] (any tile shape), in chunk order: the backward's per-chunk
-    partial sums merged by the kernel that reads them (the order and dtype of the merge kernel it replaces)."""
-    out = tl.load(ptr + off, mask=mask, other=0.0).to(dt)
-    for s in range(1, SPLIT):
-        out += tl.load(ptr + s * STRIDE + off, mask=mask, other=0.0).to(dt)
-    return out
-
-
-def split_args(g):
-    """(SPLIT, STRIDE) of a coefficient gradient: (N, C), or the (SPLIT, N, C) chunk partials of
-    ``passes.sums(merged=False)``."""
-    return (g.shape[0], g.stride(0)) if g.dim() == 3 else (1, 0)
-
-
-@triton.jit
-def channel_stats(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat_var_ptr, base_ptr, moved_ptr,
-                  upd_ptr, nbt_ptr, N, C, L, CHUNK, SPLIT, rate_hi, rate_lo, mom_hi, mom_lo, WRITE, ch, cm, N_LO,
-                  N_HI, OWNER, MODE: tl.constexpr, CUMULATIVE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  ACC: tl.constexpr):
+def channel_stats(F, N, C, L, CHUNK, SPLIT, WRITE, ch, cm, N_LO, N_HI, OWNER, MODE: tl.constexpr,
+                  CUMULATIVE: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
     """(mean, var) of the channels ``ch`` (a 1-D tile, ``cm`` its mask) by MODE, in ACC; writes m, v (N, C) of
     these channels for the samples [N_LO, N_HI), and mean, var. Where OWNER is nonzero (one program per
-    channel), also moved, upd and base, as the module docstring says. The arguments up to WRITE are
-    :meth:`FirstStage.kernel_args`."""
+    channel), also moved, upd and base, as the module docstring says. F: ``FirstStage.pointers``."""
+    part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat_var_ptr, base_ptr, moved_ptr, upd_ptr, nbt_ptr, \
+        rate_hi, rate_lo, mom_hi, mom_lo = F
     rate = from_hi_lo(rate_hi, rate_lo, ACC)
     momentum = from_hi_lo(mom_hi, mom_lo, ACC)
     ROWS = N * C
@@ -159,10 +133,8 @@ def channel_stats(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat
 
 
 @triton.jit(noinline=True)
-def fold(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat_var_ptr, base_ptr, moved_ptr, upd_ptr,
-         nbt_ptr, N, C, L, CHUNK, SPLIT, rate_hi, rate_lo, mom_hi, mom_lo, WRITE, C_LO, C_HI, N_LO, N_HI, OWNER,
-         MODE: tl.constexpr, CUMULATIVE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-         ACC: tl.constexpr):
+def fold(F, N, C, L, CHUNK, SPLIT, WRITE, C_LO, C_HI, N_LO, N_HI, OWNER, MODE: tl.constexpr,
+         CUMULATIVE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):
     """The first stage inside a coefficient kernel's program, before its map: for the channels [C_LO, C_HI) it
     will read, m, v of its samples [N_LO, N_HI) and the per-channel mean, var are written where the map's
     own loads find them, then a barrier makes them visible to every thread of the program. Programs sharing
@@ -170,42 +142,32 @@ def fold(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat_var_ptr,
     same partials; moved, upd and base are written by the OWNER program only."""
     for c0 in range(C_LO, C_HI, BLOCK_C):
         ch = c0 + tl.arange(0, BLOCK_C)
-        channel_stats(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat_var_ptr, base_ptr, moved_ptr,
-                      upd_ptr, nbt_ptr, N, C, L, CHUNK, SPLIT, rate_hi, rate_lo, mom_hi, mom_lo, WRITE,
-                      ch, ch < C_HI, N_LO, N_HI, OWNER, MODE, CUMULATIVE, BLOCK_N, ACC)
+        channel_stats(F, N, C, L, CHUNK, SPLIT, WRITE, ch, ch < C_HI, N_LO, N_HI, OWNER, MODE, CUMULATIVE, BLOCK_N,
+                      ACC)
     tl.debug_barrier()
 
 
 @triton.jit(do_not_specialize=['N', 'C', 'L', 'CHUNK', 'SPLIT', 'WRITE'])
-def _stats_kernel(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat_var_ptr, base_ptr, moved_ptr,
-                  upd_ptr, nbt_ptr, N, C, L, CHUNK, SPLIT, rate_hi, rate_lo, mom_hi, mom_lo, WRITE,
-                  MODE: tl.constexpr, CUMULATIVE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-                  ACC: tl.constexpr):
+def _stats_kernel(F, N, C, L, CHUNK, SPLIT, WRITE, MODE: tl.constexpr, CUMULATIVE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):
     """The first stage alone, one program per block of channels."""
     ch = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    channel_stats(part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat_var_ptr, base_ptr, moved_ptr,
-                  upd_ptr, nbt_ptr, N, C, L, CHUNK, SPLIT, rate_hi, rate_lo, mom_hi, mom_lo, WRITE,
-                  ch, ch < C, 0, N, 1, MODE, CUMULATIVE, BLOCK_N, ACC)
+    channel_stats(F, N, C, L, CHUNK, SPLIT, WRITE, ch, ch < C, 0, N, 1, MODE, CUMULATIVE, BLOCK_N, ACC)
 
 
 def stat_blocks(c: int, dtype=torch.float32):
     """(BLOCK_N, BLOCK_C) of the first stage's tiles: keyed on C and the compute dtype only, <= 512 elements
-    (128 in float64): larger tiles spilled registers inside the map kernels on sm_90 (ptxas -v, the noinline
-    fold counted)."""
+    (128 in float64: no spills in the map kernels)."""
     block_c = min(triton.next_power_of_2(max(c, 1)), 128)
     return max(1, (128 if dtype == torch.float64 else 512) // block_c), block_c
-
-
-def acc_dtype(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
 
 
 class FirstStage:
     """One call's first stage, planned: its outputs allocated (``outputs``: m, v, mean, var, moved, upd as
     :func:`stats` returns them) and its launch arguments ready, either for the standalone kernel
-    (:meth:`launch`) or for a coefficient kernel that runs :func:`channel_stats` itself (:meth:`kernel_args`:
-    the 21 runtime arguments, in :func:`channel_stats`'s order from ``part_ptr`` to ``WRITE``, and
-    :meth:`constexprs`)."""
+    (:meth:`launch`) or for a coefficient kernel that runs :func:`fold` itself (:func:`fold_args`). ``args``:
+    the tuple F of pointers and float pairs that :func:`channel_stats` unpacks; ``sizes``: (L, CHUNK, SPLIT,
+    WRITE), integers kept out of the tuple (Triton specializes a tuple's integers, do_not_specialize or not)."""
 
     def __init__(self, part, split, chunk, shape, mode=STATS_NONE, stat_mean=None, stat_var=None, base=None,
                  rate=0.0, momentum=0.1, write=False, nbt=None):
@@ -221,44 +183,32 @@ class FirstStage:
         self.outputs = (m, v, mean, var, moved, upd)
         self.mode, self.cumulative = mode, mode == STATS_BATCH and momentum is None
         self.shape, self.dtype, self.acc = (n, c, length), dt, acc_dtype(dt)
-
-        def ptr(t):
-            return m if t is None else t  # an unused pointer argument: any tensor
-        self._args = (part, m, v, ptr(mean), ptr(var), ptr(stat_mean), ptr(stat_var), ptr(base), ptr(moved),
-                      ptr(upd), ptr(nbt), n, c, length, chunk, split, *hi_lo(rate),
-                      *hi_lo(0.0 if momentum is None else momentum), int(bool(write)))
-
-    def kernel_args(self):
-        return self._args
-
-    def constexprs(self):
-        return dict(MODE=self.mode, CUMULATIVE=self.cumulative)
+        ptrs = [m if t is None else t for t in (mean, var, stat_mean, stat_var, base, moved, upd, nbt)]  # unused: m
+        self.args = (part, m, v, *ptrs, *hi_lo(rate), *hi_lo(0.0 if momentum is None else momentum))
+        self.sizes = (length, chunk, split, int(bool(write)))
 
     def launch(self):
         """The standalone stats kernel: one program per block of channels."""
-        block_n, block_c = stat_blocks(self.shape[1], self.dtype)
-        _stats_kernel[(triton.cdiv(self.shape[1], block_c), )](*self._args, **self.constexprs(), BLOCK_N=block_n,
-                                                               BLOCK_C=block_c, ACC=self.acc)
+        n, c, _ = self.shape
+        block_n, block_c = stat_blocks(c, self.dtype)
+        _stats_kernel[(triton.cdiv(c, block_c), )](self.args, n, c, *self.sizes, MODE=self.mode,
+                                                   CUMULATIVE=self.cumulative, BLOCK_N=block_n, BLOCK_C=block_c,
+                                                   ACC=self.acc)
         return self.outputs
 
 
-# a coefficient kernel's parameters for the fold (FirstStage.kernel_args in this order): the sizes stay
-# do_not_specialize there (FOLD_SIZES), as in the standalone kernel
-FOLD_PARAMS = ('f_part', 'f_m', 'f_v', 'f_mean', 'f_var', 'f_smean', 'f_svar', 'f_base', 'f_moved', 'f_upd',
-               'f_nbt', 'fN', 'fC', 'fL', 'fCHUNK', 'fSPLIT', 'f_rate_hi', 'f_rate_lo', 'f_mom_hi', 'f_mom_lo',
-               'fWRITE')
-FOLD_SIZES = ['fN', 'fC', 'fL', 'fCHUNK', 'fSPLIT', 'fWRITE']
+FOLD_SIZES = ['fL', 'fCHUNK', 'fSPLIT', 'fWRITE']  # a map kernel's fold parameters after F: do_not_specialize
 
 
 def fold_args(first, like):
-    """(runtime arguments, constexprs) of a coefficient kernel's fold: ``first`` (a :class:`FirstStage`) folded
-    in, or with ``first`` None placeholders (``like``: any tensor) and FOLD off."""
+    """(runtime arguments F, fL, fCHUNK, fSPLIT, fWRITE; constexprs) of a coefficient kernel's fold: ``first``
+    (a :class:`FirstStage`) folded in, or with ``first`` None placeholders (``like``: any tensor) and FOLD off."""
     if first is None:
-        return (like, ) * 11 + (1, 1, 1, 1, 1, 0.0, 0.0, 0.0, 0.0, 0), \
+        return ((like, ) * 11 + (0.0, ) * 4, 1, 1, 1, 0), \
             dict(FOLD=False, FMODE=STATS_NONE, FCUM=False, FBLOCK_N=1, FBLOCK_C=1)
     block_n, block_c = stat_blocks(first.shape[1], first.dtype)
-    return first.kernel_args(), dict(FOLD=True, FMODE=first.mode, FCUM=first.cumulative, FBLOCK_N=block_n,
-                                     FBLOCK_C=block_c)
+    return (first.args, ) + first.sizes, dict(FOLD=True, FMODE=first.mode, FCUM=first.cumulative,
+                                             FBLOCK_N=block_n, FBLOCK_C=block_c)
 
 
 def stats(part, split, chunk, shape, mode=STATS_NONE, stat_mean=None, stat_var=None, base=None, rate=0.0,

@@ -9,16 +9,9 @@ Dependence", arXiv:2106.03743, Eq. 7 and App. B. Per (n, c), from the moments m,
                   K = 1 / sqrt(Var_q[phi(z)] + eps_pn),   L = -E_q[phi(z)] K   (K = 1, L = -E_q[phi(z)] without
                   proxy scaling)
 
-Layout: [BLOCK_N, BLOCK_G, BLOCK_P] tiles of (sample, group, channel in the group) for the GN stage, so the
-per-(n, g) statistics are reductions along the last axis: the map on a 2-D grid of (group block, sample block)
-programs; the VJP one program per (block of channels, block of samples), summing the parameter gradients over
-its samples in BLOCK_N steps; at large N the sample blocks' partial rows are summed by dx (``second_stage``:
-fixed order, no atomics, no launch of its own; each block adds its part of the proxy terms, which are linear
-in the sums). The proxy moments of the same channels use [BLOCK_G, BLOCK_P, BLOCK_S] tiles of the quantiles
-(they depend only on parameters: recomputed by each program rather than stored). A group wider than ``CHUNK``
-channels (LN+PN) is walked in chunks (passes for the group sums, then the outputs); its VJP runs one program
-per (group, chunk, sample block), each recomputing its samples' group sums. Block sizes come from a fixed
-menu keyed on the sizes. In float64, 1 / sqrt is correctly rounded (``tl.rsqrt`` is ``rsqrt.approx.f64`` on sm_90).
+Layout: [BLOCK_N, BLOCK_G, BLOCK_P] tiles of (sample, group, channel in the group) for the GN stage, as BCN's
+(``bcn.py``; the VJP's sample blocks add their part of the proxy terms, which are linear in the sums over N);
+the proxy moments in [BLOCK_G, BLOCK_P, BLOCK_S] tiles of the quantiles, recomputed by each program.
 
 The float configuration (eps, proxy_eps, the activation's parameters) is ``tl.constexpr``: a runtime float
 argument is float32 on the GPU and would round them in float64 computations.
@@ -28,46 +21,32 @@ import triton
 import triton.language as tl
 
 from .activations import act_args, act_forward, act_grad
-from .blocks import sample_blocks, spread
-from .first_stage import FOLD_SIZES, fold, fold_args, split_args, split_sum
-from .scalars import rsqrt
-from .second_stage import BlockSums
+from .common import CHUNK, BlockSums, group_tiles, rsqrt, sample_blocks, split_args, split_sum
+from .first_stage import FOLD_SIZES, fold, fold_args
 
 __all__ = ['coeff_map', 'coeff_vjp']
 
 _CHANNELS = 64  # channels per program (whole groups), when the groups are smaller
 _TILE = 512  # elements of a [BLOCK_N, BLOCK_G, BLOCK_P] tile of the GN stage
-_PROXY_TILE = 1024  # elements of a [groups, channels, samples] tile of the proxy (8 warps)
 
 
 def _proxy_tile(dtype, vjp: bool, chunked: bool) -> int:
-    """The proxy tile's elements: 1024, but where 1024 spilled registers on sm_90 (ptxas -v) the size that did
-    not: the float64 map 256 (at 256 images), the chunked VJP (a group of 256+ channels) 512 in float64 and
-    2048 in float32 (with mish and gelu)."""
+    """Elements of a [groups, channels, samples] tile of the proxy (8 warps): 1024, less or more where that
+    spilled (docs/gpu.md, "Kernel tuning notes")."""
     if vjp and chunked:
         return 512 if dtype == torch.float64 else 2048
-    return 256 if dtype == torch.float64 and not vjp else _PROXY_TILE
-CHUNK = 256  # a group of more channels is walked in chunks of this many (module-level: the tests lower it)
+    return 256 if dtype == torch.float64 and not vjp else 1024
 
 
-def _blocks(n: int, groups: int, per: int, samples: int, vjp: bool = False, dtype=torch.float32):
-    """(CHUNKED, BLOCK_N, BLOCK_G, BLOCK_P, BLOCK_S, num_warps): a fixed menu keyed on the sizes (powers of 2:
-    a few compiled variants, none per batch size); ``vjp``: the VJP's, spread over more programs when the
-    samples take several iterations (``blocks.spread``)."""
-    bp = triton.next_power_of_2(per)
-    chunked = bp > CHUNK
-    if chunked:
-        bp, bg = CHUNK, 1
-    else:
-        bg = max(1, min(triton.next_power_of_2(groups), _CHANNELS // bp))
-    bn = min(triton.next_power_of_2(n), max(1, _TILE // (bg * bp)))
-    if chunked:  # as BCN's: N = 1 too (ptxas spilled a few bytes of BCN's chunked VJP at [1, 1, 256])
+def _blocks(n: int, groups: int, per: int, samples: int, vjp: bool = False, dtype=torch.float32, chunk: int = CHUNK,
+            tile: int = _TILE):
+    """(CHUNKED, BLOCK_N, BLOCK_G, BLOCK_P, BLOCK_S, num_warps): ``common.group_tiles`` of ``tile`` elements,
+    groups wider than ``chunk`` channels walked in chunks; ``vjp``: the VJP's."""
+    chunked, bn, bg, bp = group_tiles(n, groups, per, _CHANNELS, tile, chunk, vjp)
+    if chunked:  # at least 2 samples per tile, as BCN's
         bn = max(2, bn)
-    elif vjp:
-        bn, bg = spread(n, groups, bn, bg, bp, _TILE)
     bs = max(1, min(triton.next_power_of_2(samples), _proxy_tile(dtype, vjp, chunked) // (bg * bp)))
-    # a VJP tile shrunk for sample blocks (blocks.spread): 4 warps (8 spilled float64 registers at [64, 2, 1])
-    shrunk = vjp and bn * bg * bp < _TILE and triton.cdiv(n, bn) > 1
+    shrunk = vjp and bn * bg * bp < tile and triton.cdiv(n, bn) > 1  # a VJP tile shrunk for sample blocks
     return chunked, bn, bg, bp, bs, 4 if shrunk else 8
 
 
@@ -180,8 +159,7 @@ def _map_store(a_ptr, bb_ptr, k_ptr, l_ptr, off, mask, d, r, w, b, k, l_):
 
 @triton.jit(do_not_specialize=['N', 'C', 'G', 'per', 'S'] + FOLD_SIZES)
 def _coeff_map_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr, a_ptr, bb_ptr, k_ptr, l_ptr,
-                      N, C, G, per, S, f_part, f_m, f_v, f_mean, f_var, f_smean, f_svar, f_base, f_moved, f_upd, f_nbt,
-                      fN, fC, fL, fCHUNK, fSPLIT, f_rate_hi, f_rate_lo, f_mom_hi, f_mom_lo, fWRITE, EPS: tl.constexpr,
+                      N, C, G, per, S, F, fL, fCHUNK, fSPLIT, fWRITE, EPS: tl.constexpr,
                       PROXY_EPS: tl.constexpr, ACT: tl.constexpr,
                       P0: tl.constexpr, P1: tl.constexpr, AFFINE: tl.constexpr, SCALING: tl.constexpr,
                       CHUNKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -194,8 +172,7 @@ def _coeff_map_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr, a_ptr, 
     rmask = rows < N
     if FOLD:  # m, v of this program's groups and samples from the moments' partials, in this launch
         n_lo = tl.program_id(1) * BLOCK_N
-        fold(f_part, f_m, f_v, f_mean, f_var, f_smean, f_svar, f_base, f_moved, f_upd, f_nbt, fN, fC, fL, fCHUNK,
-             fSPLIT, f_rate_hi, f_rate_lo, f_mom_hi, f_mom_lo, fWRITE, pid_g * BLOCK_G * per,
+        fold(F, N, C, fL, fCHUNK, fSPLIT, fWRITE, pid_g * BLOCK_G * per,
              tl.minimum(pid_g * BLOCK_G + BLOCK_G, G) * per, n_lo, tl.minimum(n_lo + BLOCK_N, N),
              tl.program_id(1) == 0, FMODE, FCUM, FBLOCK_N, FBLOCK_C, dt)
     inv = 1.0 / tl.cast(per, dt)  # one division (a float64 one is a subroutine call)
@@ -211,8 +188,7 @@ def _coeff_map_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr, a_ptr, 
             _map_store(a_ptr, bb_ptr, k_ptr, l_ptr, off, mask, d, r, w, b, k, l_)
     else:
         ch, cmask = _channels(pid_g, 0, G, per, BLOCK_G, BLOCK_P)
-        # the proxy first (channel-sized): no (sample, channel) tile stays live across its float64 division
-        # (ptxas spilled registers around that subroutine call at [8, 8, 8] tiles)
+        # the proxy first: no (sample, channel) tile live across its float64 division (no spills)
         w, b, pb, pg = _params(w_ptr, b_ptr, pb_ptr, pg_ptr, ch, cmask, dt, AFFINE)
         k, l_ = _proxy_kl(w, b, pb, pg, q_ptr, S, PROXY_EPS, ACT, P0, P1, AFFINE, SCALING, BLOCK_S)
         mask = rmask & cmask[None]
@@ -239,7 +215,7 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
     zero = tl.zeros([BLOCK_N, BLOCK_G, BLOCK_P], dtype=dt)
     dw3, db3, gk3, gl3 = zero, zero, zero, zero  # per-channel sums over N
     # GN stage, per sample: A = r gamma and B = beta + A d, with d and r functions of the group's m, v; this
-    # program's samples: block program_id(2) of N_PER (second_stage)
+    # program's samples: block program_id(2) of N_PER
     for n0 in range(0, N_PER, BLOCK_N):  # N_PER: a multiple of BLOCK_N
         rows = tl.program_id(2) * N_PER + n0 + tl.arange(0, BLOCK_N)[:, None, None]
         rmask = rows < N
@@ -270,7 +246,6 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
             ga_t = ga + gb * d  # total gradient of A (B = beta + A d)
         else:
             d, r = _gn_stage(m_ptr, v_ptr, off, mask, inv, EPS)
-            # loaded after the division: fewer live registers around its float64 slow-path call (no spills)
             ga = split_sum(ga_ptr, rows * s_ga_n + ch[None] * s_ga_c, mask, GSPLIT, GSTRIDE, dt)
             gb = split_sum(gb_ptr, rows * s_gb_n + ch[None] * s_gb_c, mask, GSPLIT, GSTRIDE, dt)
             ga_t = ga + gb * d
@@ -318,7 +293,7 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
         tl.store(dpg_ptr + out, w * dy_q, mask=cmask)
 
 
-def _config(m, num_groups, num_samples, act, act_kwargs):
+def _config(m, num_groups, num_samples, act, act_kwargs, chunk, tile):
     n, c = m.shape
     if c % num_groups:
         raise ValueError(f'GN+PN kernels: num_groups={num_groups} does not divide C={c}')
@@ -326,7 +301,7 @@ def _config(m, num_groups, num_samples, act, act_kwargs):
     act_id, p0, p1 = act_args(act, act_kwargs)
     grids, blocks = [], []
     for vjp in (False, True):  # the map's, then the VJP's (spread over more programs for many samples)
-        chunked, bn, bg, bp, bs, warps = _blocks(n, num_groups, per, num_samples, vjp, m.dtype)
+        chunked, bn, bg, bp, bs, warps = _blocks(n, num_groups, per, num_samples, vjp, m.dtype, chunk, tile)
         groups = triton.cdiv(num_groups, bg)
         grids.append((groups, triton.cdiv(per, bp) if chunked else 1) if vjp else (groups, triton.cdiv(n, bn)))
         blocks.append(dict(ACT=act_id, P0=p0, P1=p1, CHUNKED=chunked, BLOCK_N=bn, BLOCK_G=bg, BLOCK_P=bp,
@@ -335,14 +310,15 @@ def _config(m, num_groups, num_samples, act, act_kwargs):
 
 
 def coeff_map(m, v, mean, var, params, positions, count, *, num_groups, eps, act, act_kwargs, proxy_eps,
-              proxy_scaling, proxy_affine, quantiles, first=None):
+              proxy_scaling, proxy_affine, quantiles, first=None, chunk=CHUNK, tile=_TILE):
     """``normdense.layers.proxy_norm.coeff_map`` in one launch: ((A, B, K, L), residuals), each coefficient (N, C)
     in m's dtype. ``quantiles`` are the proxy samples q (num_samples,) (the layer's cached quantiles); ``mean``,
     ``var``, ``positions`` and ``count`` are unused (GN+PN has no first stage). ``first``: the engine's planned
-    moments merge (``first_stage.FirstStage``, whose outputs m, v are): run in this launch."""
+    moments merge (``first_stage.FirstStage``, whose outputs m, v are): run in this launch. ``chunk``,
+    ``tile``: :func:`_blocks`'s."""
     weight, bias, proxy_beta, proxy_gamma = params
     m, v = m.contiguous(), v.contiguous()
-    n, c, per, (grid, _), (blocks, _) = _config(m, num_groups, quantiles.numel(), act, act_kwargs)
+    n, c, per, (grid, _), (blocks, _) = _config(m, num_groups, quantiles.numel(), act, act_kwargs, chunk, tile)
     a, b, k, l_ = (torch.empty_like(m) for _ in range(4))
     pb, pg = (proxy_beta, proxy_gamma) if proxy_affine else (weight, weight)  # not read without proxy_affine
     fargs, fconst = fold_args(first, m)
@@ -354,16 +330,17 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups, eps, act
 
 
 def coeff_vjp(res, grads, wants_stats, *, num_groups, eps, act, act_kwargs, proxy_eps, proxy_scaling,
-              proxy_affine, defer=False):
+              proxy_affine, defer=False, chunk=CHUNK, tile=_TILE):
     """``GroupProxyNorm.coeff_vjp`` in one launch: (dm, dv, None, None, (d weight, d bias, d proxy_beta,
     d proxy_gamma)) (the proxy ones None without proxy_affine) for ``grads`` = (gA, gB, gK, gL), each (N, C)
     with any strides or the (SPLIT, N, C) chunk partials (added in the kernel); dm, dv in m's dtype, the
-    parameter gradients in the parameters' dtypes. Many samples run on sample blocks too (``second_stage``):
-    ``defer`` returns a ``BlockSums`` of their partials in place of the parameter gradients, for dx to sum."""
+    parameter gradients in the parameters' dtypes. Many samples run on sample blocks too: ``defer`` returns a
+    ``common.BlockSums`` of their partials in place of the parameter gradients, for dx to sum. ``chunk``,
+    ``tile``: as coeff_map's."""
     m, v, params, quantiles = res
     weight, bias, proxy_beta, proxy_gamma = params
     ga, gb, gk, gl = grads
-    n, c, per, (_, grid), (_, blocks) = _config(m, num_groups, quantiles.numel(), act, act_kwargs)
+    n, c, per, (_, grid), (_, blocks) = _config(m, num_groups, quantiles.numel(), act, act_kwargs, chunk, tile)
     dm, dv = torch.empty_like(m), torch.empty_like(m)
     sb, n_per = sample_blocks(n, blocks['BLOCK_N'], grid[0] * grid[1])
     out = BlockSums(sb, m, (weight, bias) + ((proxy_beta, proxy_gamma) if proxy_affine else (None, None)), False)

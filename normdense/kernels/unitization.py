@@ -14,27 +14,20 @@ The options (``n``, ``norm_divisor``, ``var_correction``, batch or fixed statist
 as the scalars k and f, computed by the launchers as the torch method does. Python floats reach a kernel as
 fp32, so each scalar travels as an fp32 pair (hi, lo) with hi + lo equal to it to ~2^-48 (float64 inputs).
 
-Layout: p needs a sum over all channels of a sample, the parameter gradients sums over all samples. The map
-runs one program per block of samples (two loops over the channel blocks: p, then A, B); the VJP one program
-per (block of channels, block of samples), which first sums its samples' d p terms over all channels
-(recomputed by every program: no second launch, no atomics) and then owns its channels' outputs and sums over
-its samples; at large N the sample blocks' partial rows are summed by dx in a fixed order (``second_stage``),
-so the result is deterministic. Register tiles are [BLOCK_N, BLOCK_C] <= 1024 elements, block sizes keyed on
-C only. In float64, 1 / sqrt is correctly rounded (not ``tl.rsqrt``: ``rsqrt.approx.f64`` on sm_90).
+Layout: the map runs one program per block of samples (two loops over the channel blocks: p, then A, B); the
+VJP one program per (block of channels, block of samples), which first sums its samples' d p terms over all
+channels (recomputed by every program) and then sums over its samples (``common.BlockSums`` at large N).
 """
 import torch
 import triton
 import triton.language as tl
 
-from .blocks import sample_blocks
-from .first_stage import FOLD_SIZES, fold, fold_args, split_args, split_sum
-from .scalars import from_hi_lo, hi_lo, rsqrt
-from .second_stage import BlockSums
+from .common import BlockSums, from_hi_lo, hi_lo, rsqrt, sample_blocks, split_args, split_sum
+from .first_stage import FOLD_SIZES, fold, fold_args
 
 
 def _blocks(channels: int, dtype=torch.float32):
-    """(BLOCK_N, BLOCK_C) for C channels: a fixed menu, tiles of at most 1024 elements (256 in float64:
-    larger ones spilled registers around float64 divisions on sm_90, ptxas -v)."""
+    """(BLOCK_N, BLOCK_C) for C channels: tiles of at most 1024 elements (256 in float64: no spills)."""
     block_c = min(triton.next_power_of_2(channels), 128)
     return min(16, (256 if dtype == torch.float64 else 1024) // block_c), block_c
 
@@ -51,9 +44,7 @@ def _channels(rows, rmask, cols, C, mean_ptr, var_ptr, f, eps, dt):
 
 @triton.jit(do_not_specialize=['N', 'C'] + FOLD_SIZES)
 def _coeff_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, b_ptr, a_ptr, bo_ptr, p_ptr, rs_ptr, N, C,
-                      eps_hi, eps_lo, k_hi, k_lo, f_hi, f_lo, f_part, f_m, f_v, f_mean, f_var, f_smean, f_svar,
-                      f_base, f_moved, f_upd, f_nbt,
-                      fN, fC, fL, fCHUNK, fSPLIT, f_rate_hi, f_rate_lo, f_mom_hi, f_mom_lo, fWRITE,
+                      eps_hi, eps_lo, k_hi, k_lo, f_hi, f_lo, F, fL, fCHUNK, fSPLIT, fWRITE,
                       AFFINE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, FOLD: tl.constexpr,
                       FMODE: tl.constexpr, FCUM: tl.constexpr, FBLOCK_N: tl.constexpr,
                       FBLOCK_C: tl.constexpr):
@@ -63,8 +54,7 @@ def _coeff_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, b_ptr, 
     rmask = rows < N
     if FOLD:  # the first stage of every channel (p sums over all) and this program's samples, in this launch
         n_lo = tl.program_id(0) * BLOCK_N
-        fold(f_part, f_m, f_v, f_mean, f_var, f_smean, f_svar, f_base, f_moved, f_upd, f_nbt, fN, fC, fL, fCHUNK,
-             fSPLIT, f_rate_hi, f_rate_lo, f_mom_hi, f_mom_lo, fWRITE, 0, C, n_lo,
+        fold(F, N, C, fL, fCHUNK, fSPLIT, fWRITE, 0, C, n_lo,
              tl.minimum(n_lo + BLOCK_N, N), tl.program_id(0) == 0, FMODE, FCUM, FBLOCK_N, FBLOCK_C, dt)
     cols0 = tl.arange(0, BLOCK_C)
     # sum_c e rs^2 per sample (Algorithm 2 lines 9-10); padded lanes give e = 0
@@ -82,7 +72,7 @@ def _coeff_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, b_ptr, 
         cmask, mask, idx, mean, den = _channels(rows, rmask, cols, C, mean_ptr, var_ptr, f, eps, dt)
         alpha = tl.load(alpha_ptr + cols, mask=cmask, other=0.0).to(dt)
         rs = rsqrt(den)
-        # for the VJP (no float64 division there: its subroutine call spilled registers around it on sm_90)
+        # for the VJP (no float64 division there: no spills)
         tl.store(rs_ptr + cols, rs, mask=cmask & (tl.program_id(0) == 0))
         mc = tl.load(m_ptr + idx, mask=mask, other=0.0) - mean[None, :]
         scale = p[:, None] * alpha[None, :] + (1.0 - alpha)[None, :]
@@ -121,8 +111,7 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, rs_ptr, alpha_ptr, w_ptr, p_ptr, g
     k, f = from_hi_lo(k_hi, k_lo, dt), from_hi_lo(f_hi, f_lo, dt)
     rows0 = tl.arange(0, BLOCK_N)
     cols0 = tl.arange(0, BLOCK_C)
-    # this program's channels (their mean, rs, alpha, gamma: loaded where used, from cache, so that ptxas
-    # keeps no float64 value live across the loop over all channels: it spilled them there at -O3)
+    # this program's channels (mean, rs, alpha, gamma loaded where used: no spills across the channel loop)
     cols = tl.program_id(0) * BLOCK_C + cols0
     cmask = cols < C
     dalpha = tl.zeros([BLOCK_C], dtype=dt)
@@ -131,7 +120,7 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, rs_ptr, alpha_ptr, w_ptr, p_ptr, g
     dmean = tl.zeros([BLOCK_C], dtype=dt)
     g_scale_sum = tl.zeros([BLOCK_C], dtype=dt)  # sum_n ga_t scale
     ds_e_sum = tl.zeros([BLOCK_C], dtype=dt)  # sum_n ds e
-    # this program's samples: block program_id(1) of N_PER, a multiple of BLOCK_N (second_stage)
+    # this program's samples: block program_id(1) of N_PER, a multiple of BLOCK_N
     for n0 in range(0, N_PER, BLOCK_N):
         rows = tl.program_id(1) * N_PER + n0 + rows0
         rmask = rows < N
@@ -183,7 +172,7 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, rs_ptr, alpha_ptr, w_ptr, p_ptr, g
         tl.store(db_ptr + cols, db, mask=cmask)
     if WANTS_STATS:
         tl.store(dmean_ptr + cols, dmean, mask=cmask)
-        # the channels' rs again (cols shifted back; written this way ptxas spilled less, -v on sm_90)
+        # the channels' rs again (cols shifted back: fewer spills)
         rs = tl.load(rs_ptr + cols - tl.program_id(1) * PSTRIDE, mask=cmask, other=0.0)
         rs2 = rs * rs
         g_rs = g_scale_sum + 2.0 * rs * ds_e_sum
@@ -229,7 +218,7 @@ def coeff_vjp(res, grads, wants_stats, *, affine, defer=False):
     """``Unitization2d.coeff_vjp`` in one launch: (dm, dv, dmean, dvar, (d alpha, d weight, d bias)),
     dmean/dvar only when ``wants_stats``, d weight/d bias only with ``affine``; for ``grads`` (gA, gB), each
     (N, C) or its (SPLIT, N, C) chunk partials (added in the kernel). dm, dv, dmean, dvar in m's dtype, the
-    parameter gradients in the parameters' dtypes. Many samples run on sample blocks too (``second_stage``):
+    parameter gradients in the parameters' dtypes. Many samples run on sample blocks too (``common.BlockSums``):
     ``defer`` returns their partials, dmean, dvar (SB, C) and a ``BlockSums`` in place of the parameter
     gradients, for dx to sum; else they are summed here."""
     m, v, mean, rs, alpha, w, p, split = res

@@ -38,7 +38,7 @@ import time
 # the size arguments: declared do_not_specialize, so a new image or batch size (divisible by 16 or not, 1 or
 # not) never makes Triton compile another variant
 SIZES = {'N', 'C', 'G', 'L', 'ROWS', 'CHUNK', 'SPLIT', 'SIZE', 'PER', 'per', 'S', 'GSPLIT', 'GSTRIDE',
-         'fN', 'fC', 'fL', 'fCHUNK', 'fSPLIT'}  # the f*: a map kernel's folded first stage
+         'fL', 'fCHUNK', 'fSPLIT'}  # the f*: a map kernel's folded first stage
 
 
 _TYPES = {'torch.float32': 'fp32', 'torch.float64': 'fp64', 'torch.float16': 'fp16', 'torch.bfloat16': 'bf16',

@@ -28,7 +28,7 @@ N, CHANNELS, GROUPS = 2, 256, 32  # 2 images x 256 channels; mmdet's GN default 
 LEVELS = {'P2': (200, 304), 'P3': (100, 152), 'P4': (50, 76), 'P5': (25, 38), 'P6': (13, 19), 'P7': (7, 10),
           'N256': (7, 7)}
 # images per level: N, but a classification batch at ResNet's last stage for N256 (the VJPs' sample blocks and
-# dx's second stage, kernels/second_stage.py)
+# dx's second stage, kernels/common.py)
 BATCH = {'N256': 256}
 
 

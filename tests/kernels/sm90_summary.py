@@ -43,17 +43,33 @@ def _fmt(value):
     return getattr(value, 'name', None) or str(value).replace('triton.language.', 'tl.')
 
 
+def _types(signature):
+    """Signature types, a tuple argument's (the map kernels' folded first stage) flattened."""
+    for t in signature:
+        yield from (_types(t) if isinstance(t, tuple) else [t])
+
+
 def _describe(variant):
-    """JSON-able description: kernel, constexprs, pointer types, the specialized integer arguments."""
+    """JSON-able description: kernel, constexprs, pointer types, the specialized integer arguments (a tuple
+    argument's elements named ``name.i``)."""
     params = [p.name for p in variant['fn'].params]
-    consts = {params[path[0]]: _fmt(v) for path, v in variant['constexprs'].items()}
-    fixed = sorted(n for n in consts if not variant['fn'].params[params.index(n)].is_constexpr)
-    divisible = sorted(params[path[0]] for path, a in variant['attrs'].items()
-                       if any(x[0] == 'tt.divisibility' for x in a) and not variant['signature'][params[path[0]]]
-                       .startswith('*'))
+
+    def name(path):
+        return '.'.join([params[path[0]]] + [str(i) for i in path[1:]])
+
+    def sig(path):
+        t = variant['signature'][params[path[0]]]
+        for i in path[1:]:
+            t = t[i]
+        return t
+    consts = {name(path): _fmt(v) for path, v in variant['constexprs'].items()}
+    fixed = sorted(name(path) for path in variant['constexprs']
+                   if len(path) > 1 or not variant['fn'].params[path[0]].is_constexpr)
+    divisible = sorted(name(path) for path, a in variant['attrs'].items()
+                       if any(x[0] == 'tt.divisibility' for x in a) and not sig(path).startswith('*'))
     return dict(kernel=variant['name'], module=variant['fn'].fn.__module__, constexprs=consts,
                 value_1_specialized=fixed, divisible_16_ints=divisible, num_warps=variant['options'].num_warps,
-                pointer_types=sorted({t[1:] for t in variant['signature'].values() if t.startswith('*')}))
+                pointer_types=sorted({t[1:] for t in _types(variant['signature'].values()) if t.startswith('*')}))
 
 
 def record(settings, cases, levels, recorder):

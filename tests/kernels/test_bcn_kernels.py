@@ -2,6 +2,8 @@
 BatchChannelNorm2d (Eq. 40-42 of arXiv:1903.10520, tested against autograd in tests/layers/test_statnorm.py):
 every affine layout x statistics mode, channels per group 1 to 64, odd group counts and batch sizes, float64
 and float32 (and half parameters), several programs and n-loop iterations; one launch per call."""
+import functools
+
 import pytest
 import torch
 
@@ -121,7 +123,7 @@ def test_large_batch_in_sample_blocks(group_affine, wants, device, launches):
     32 groups of 4 (the second one partial). The VJP, spread over the groups and the samples: 40 programs of
     one group x 3 sample blocks of 32 samples (the last one of 6), in tiles of 16."""
     from normdense.kernels.bcn import _blocks
-    from normdense.kernels.blocks import sample_blocks
+    from normdense.kernels.common import sample_blocks
     per, chunked, block_n, block_g, block_p, _ = _blocks(70, 160, 40)
     assert (per, chunked, block_n, block_g, block_p) == (4, False, 4, 32, 4)
     assert _blocks(70, 160, 40, vjp=True)[2:5] == (16, 1, 4)
@@ -137,7 +139,7 @@ def test_vjp_spread_over_groups_with_sample_iterations(group_affine, wants, devi
     sums over N instead of one) and tiles of 16 samples, each sample its own block here (N = 70: 5 blocks, the
     last one of 6)."""
     from normdense.kernels.bcn import _blocks
-    from normdense.kernels.blocks import sample_blocks
+    from normdense.kernels.common import sample_blocks
     assert _blocks(70, 32, 2)[2:5] == (16, 2, 16)  # the map: 5 sample blocks of both groups
     assert _blocks(70, 32, 2, vjp=True)[2:5] == (16, 1, 16)
     assert sample_blocks(70, 16, 2) == (5, 16)
@@ -153,21 +155,26 @@ def test_vjp_spread_over_groups_with_sample_iterations(group_affine, wants, devi
 @pytest.mark.parametrize('group_affine, wants', MODES, ids=[f'{"group" if ga else "channel"}-{"batch" if w else "fixed"}'
                                                            for ga, w in MODES])
 def test_groups_in_chunks(group_affine, wants, shape, dtype, device, launches, monkeypatch):
-    """Groups wider than CHUNK (lowered to 4 here; 256 by default, e.g. one group of 4096 channels) are
+    """Groups wider than the kernels' ``chunk`` (4 here; 256 by default, e.g. one group of 4096 channels) are
     walked in chunks: 13 channels in 4 chunks (the last one of 1), one program per (group, chunk) in the
     VJP, each with the group's sums; one group and three."""
     from normdense.kernels import bcn as kernels
-    monkeypatch.setattr(kernels, 'CHUNK', 4)
+    for name in ('coeff_map', 'coeff_vjp'):
+        monkeypatch.setattr(kernels, name, functools.partial(getattr(kernels, name), chunk=4))
+    blocks, chunked = kernels._blocks, []
+    monkeypatch.setattr(kernels, '_blocks', lambda *a, **k: chunked.append(blocks(*a, **k)[1]) or blocks(*a, **k))
     n, g, per = shape
-    assert kernels._blocks(n, g * per, g)[1:5:3] == (True, 4)
+    assert kernels._blocks(n, g * per, g, chunk=4)[1:5:3] == (True, 4)
     layer, inputs, grads = _inputs(shape, group_affine, dtype, device, seed=13)
     _check(layer, inputs, grads, wants, TOL[dtype], launches)
+    assert chunked == [True] * 3, chunked  # the call above, the map's and the VJP's
 
 
 def test_one_group_of_4096_channels_is_chunked():
-    """LN-like BCN (one group of 4096 channels, formerly the limit of a tile row): chunks of CHUNK, tiles of
-    at most _TILE elements."""
+    """LN-like BCN (one group of 4096 channels, formerly the limit of a tile row): chunks of the default CHUNK,
+    tiles of at most _TILE elements."""
     from normdense.kernels import bcn as kernels
+    from normdense.kernels.common import CHUNK
     per, chunked, block_n, block_g, block_p, _ = kernels._blocks(256, 4096, 1)
-    assert chunked and block_g == 1 and block_p == kernels.CHUNK < per == 4096
+    assert chunked and block_g == 1 and block_p == CHUNK < per == 4096
     assert block_n * block_g * block_p <= kernels._TILE

@@ -1,15 +1,13 @@
-"""The Triton passes of the StatNorm engine (normdense/kernels/passes.py) against float64 torch: per-(n, c)
+"""The Triton passes of the StatNorm engine (normdense/kernels/passes.py, launched by triton.py) against float64 torch: per-(n, c)
 moments, y, the coefficient gradients and dx, on odd shapes (HW in {1, 7, 13x17, 1001}; L below, at and just
 above a multiple of the vector width V, flat sizes that are and are not a multiple of V), one or several
 chunks per row (also with small tiles: many tiles and chunks per row), contiguous and channels_last inputs,
 every output allocated NaN-filled, in float64, float32 and half precision."""
-import contextlib
-
 import pytest
 import torch
 import triton
 
-from normdense.kernels import passes as P
+from normdense.kernels import triton as P
 
 SHAPES = [(2, 3, 1), (1, 8, 1), (1, 4, 7), (2, 4, 7), (2, 2, 8), (2, 4, 9), (2, 4, 17), (3, 2, 13 * 17),
           (2, 2, 1001)]
@@ -39,15 +37,6 @@ def nan_outputs(monkeypatch):
     monkeypatch.setattr(P.torch, 'empty_like', nan_empty_like)
 
 
-@contextlib.contextmanager
-def split(value):
-    old, P.FORCE_SPLIT = P.FORCE_SPLIT, value
-    try:
-        yield
-    finally:
-        P.FORCE_SPLIT = old
-
-
 def small_tiles(monkeypatch):
     """Tiles of 64 positions (32 in float64; CL: 16 positions x up to 8 channels): rows of a few hundred
     positions take many tiles and chunks, with chunk starts off the rows' alignment."""
@@ -61,13 +50,12 @@ def laid_out(x, layout):
 
 
 def moments(x, s):
-    with split(s):
-        part, n_split, chunk = P.moment_partials(x)
-        if s is not None:  # s chunks of whole tiles, or fewer when s does not divide the tiles
-            block, length = P.layout(x)[0], x.shape[2]
-            tiles = -(-length // block)
-            assert chunk == -(-tiles // min(s, tiles)) * block and n_split == -(-length // chunk) <= s
-        return P.stats(part, n_split, chunk, x.shape)[:2]
+    part, n_split, chunk = P.moment_partials(x, split=s)
+    if s is not None:  # s chunks of whole tiles, or fewer when s does not divide the tiles
+        block, length = P._plan(x)['BLOCK'], x.shape[2]
+        tiles = -(-length // block)
+        assert chunk == -(-tiles // min(s, tiles)) * block and n_split == -(-length // chunk) <= s
+    return P.stats(part, n_split, chunk, x.shape)[:2]
 
 
 @pytest.mark.parametrize('shape,layout,s,small', CASES, ids=IDS)
@@ -121,9 +109,8 @@ def test_apply_sums_dx(device, dtype, act, shape, layout, s, small, monkeypatch)
     m, v = moments(x, s)
     coeffs = coefficients(n, c, m.dtype, device, act)
     spec = None if act is None else act_args(act, {})
-    with split(s):
-        y = P.apply(x, m, v, coeffs, spec)
-        grads = P.sums(x, dy, m, v, coeffs, spec)
+    y = P.apply(x, m, v, coeffs, spec, split=s)
+    grads = P.sums(x, dy, m, v, coeffs, spec, split=s)
     xd, dyd = x.double(), dy.double()
     md, live = m.double().unsqueeze(2), (v > 0).unsqueeze(2)
     a, b = (t.double().unsqueeze(2) for t in coeffs[:2])
@@ -147,17 +134,18 @@ def test_apply_sums_dx(device, dtype, act, shape, layout, s, small, monkeypatch)
     for got, w in zip(grads, want):
         torch.testing.assert_close(got.double(), w, rtol=tol * 10, atol=tol * 10 * length)
     dm, dv = torch.randn(2, n, c, dtype=torch.float64).to(m.dtype).to(device)
-    with split(s):
-        dx = P.dx(x, dy, m, v, coeffs, dm, dv, grads[1], spec)
+    dx = P.dx(x, dy, m, v, coeffs, dm, dv, grads[1], spec, split=s)
     c0 = (dm.double() - coeffs[0].double() * grads[1].double()).unsqueeze(2) / length
     c1 = torch.where(live, 2 * dv.double().unsqueeze(2) / length, 0)
     want_dx = a * g + c1 * t + c0
     torch.testing.assert_close(dx.double(), want_dx, rtol=tol * 10, atol=tol * 10)
     assert dx.stride() == x.stride()
-    with split(s):  # the chunks' partials, added by the kernels that read them: the same values, no merge
-        parts = P.sums(x, dy, m, v, coeffs, spec, merged=False)
-        dx_parts = P.dx(x, dy, m, v, coeffs, dm, dv, parts[1], spec)
+    # the chunks' partials, added by the kernels that read them: the same values, no merge
+    parts = P.sums(x, dy, m, v, coeffs, spec, merged=False, split=s)
+    dx_parts = P.dx(x, dy, m, v, coeffs, dm, dv, parts[1], spec, split=s)
     assert all(p.dim() == 3 and p.shape[1:] == (n, c) for p in parts)
+    if s is not None:  # the chunks of ``split``, as moments' (sums and dx were given it too)
+        assert parts[0].shape[0] == P.split_for(1, length, P._plan(x)['BLOCK'], s)[0]
     for got, p in zip(grads, parts):
         torch.testing.assert_close(p.sum(0), got, rtol=tol, atol=tol * length)
     torch.testing.assert_close(dx_parts, dx, rtol=tol, atol=tol)
@@ -215,9 +203,8 @@ def test_dy_in_its_own_dtype_and_layout(device, layout, dy_layout):
     m, v = moments(x, 2)
     coeffs = coefficients(2, 8, torch.float32, device, None)
     dm, dv = torch.randn(2, 2, 8, device=device)
-    with split(2):
-        grads = P.sums(x, dy, m, v, coeffs)
-        dx = P.dx(x, dy, m, v, coeffs, dm, dv, grads[1])
+    grads = P.sums(x, dy, m, v, coeffs, split=2)
+    dx = P.dx(x, dy, m, v, coeffs, dm, dv, grads[1], split=2)
     _, want_grads, want_dx = reference(x, dy, m, v, coeffs, dm, dv)
     for got, w in zip(grads, want_grads):
         torch.testing.assert_close(got.double(), w, rtol=1e-5, atol=1e-5)
@@ -268,10 +255,9 @@ def test_batch_statistics_and_tracking(device, layout):
     rm, rv = torch.randn(5, dtype=torch.float64, device=device), torch.rand(5, dtype=torch.float64, device=device) + 1
     nbt = torch.tensor(4, device=device)
     for momentum in (0.1, None):
-        with split(2):
-            part, s, chunk = P.moment_partials(x)
-            m, v, mean, var, _, upd = P.stats(part, s, chunk, x.shape, P.STATS_BATCH, rm, rv, momentum=momentum,
-                                              write=True, nbt=nbt)
+        part, s, chunk = P.moment_partials(x, split=2)
+        m, v, mean, var, _, upd = P.stats(part, s, chunk, x.shape, P.STATS_BATCH, rm, rv, momentum=momentum,
+                                          write=True, nbt=nbt)
         flat = x.transpose(0, 1).reshape(5, -1)
         torch.testing.assert_close(mean, flat.mean(1), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(var, flat.var(1, unbiased=False), rtol=1e-12, atol=1e-12)

@@ -2,6 +2,8 @@
 ``_coeff_maps(True)``) against the layer's torch ``coeff_map`` / ``coeff_vjp``: every
 activation, proxy scaling and proxy affine on and off, channels per group 1, 4, 16 and LN+PN (one group),
 random moments (some v = 0) and parameters, float64 to ~1e-12 and float32 to ~1e-5; one launch each."""
+import functools
+
 import pytest
 import torch
 
@@ -115,7 +117,7 @@ def test_large_batch_in_sample_blocks(device):
     """N = 70 in sample blocks of 8 (the last one partial): 9 map programs per group block; 2 group blocks of
     16 groups of 4 (the second one partial). The VJP spread over the groups and the samples: 20 programs of one
     group (not 2) x 5 sample blocks of 16 (the last one of 6), summed by the second stage."""
-    from normdense.kernels.blocks import sample_blocks
+    from normdense.kernels.common import sample_blocks
     chunked, bn, bg, bp, bs, _ = K._blocks(70, 20, 4, 13)
     assert (chunked, bn, bg, bp) == (False, 8, 16, 4) and 70 % bn
     chunked, bn, bg, bp, bs, _ = K._blocks(70, 20, 4, 13, vjp=True)
@@ -128,20 +130,25 @@ def test_large_batch_in_sample_blocks(device):
 @pytest.mark.parametrize('shape', [(5, 13, 1, 9), (3, 27, 3, 7)], ids=['1x13', '3x9'])
 @pytest.mark.parametrize('act,scaling,affine', [OPTIONS[0], OPTIONS[5], OPTIONS[6]], ids=str)
 def test_groups_in_chunks(act, scaling, affine, shape, dtype, device, monkeypatch):
-    """Groups wider than CHUNK (lowered to 4 here; 256 by default, e.g. LN+PN of 4096 channels) are walked in
-    chunks: 13 channels in 4 chunks (the last one of 1), one VJP program per (group, chunk) with the group's
+    """Groups wider than the kernels' ``chunk`` (4 here; 256 by default, e.g. LN+PN of 4096 channels) are walked
+    in chunks: 13 channels in 4 chunks (the last one of 1), one VJP program per (group, chunk) with the group's
     sums; one group and three."""
-    monkeypatch.setattr(K, 'CHUNK', 4)
+    for name in ('coeff_map', 'coeff_vjp'):
+        monkeypatch.setattr(K, name, functools.partial(getattr(K, name), chunk=4))
+    blocks, chunked = K._blocks, []
+    monkeypatch.setattr(K, '_blocks', lambda *a, **k: chunked.append(blocks(*a, **k)[0]) or blocks(*a, **k))
     n, c, groups, samples = shape
-    chunked, bn, bg, bp, bs, _ = K._blocks(n, groups, c // groups, samples)
-    assert chunked and (bg, bp) == (1, 4)
+    chunked_, bn, bg, bp, bs, _ = K._blocks(n, groups, c // groups, samples, chunk=4)
+    assert chunked_ and (bg, bp) == (1, 4)
     _check(act, scaling, affine, shape, dtype, device)
+    assert all(chunked) and len(chunked) == 5, chunked  # the call above, the map's and the VJP's configs
 
 
 def test_layer_norm_of_4096_channels_is_chunked():
     """LN+PN of 4096 channels (formerly one 4096-wide tile row): chunks of CHUNK, tiles of at most _TILE."""
+    from normdense.kernels.common import CHUNK
     chunked, bn, bg, bp, bs, _ = K._blocks(256, 1, 4096, 200)
-    assert chunked and bg == 1 and bp == K.CHUNK < 4096 and bn * bg * bp <= K._TILE
+    assert chunked and bg == 1 and bp == CHUNK < 4096 and bn * bg * bp <= K._TILE
 
 
 @pytest.mark.parametrize('dtype,param_dtype', [(torch.float64, torch.float32), (torch.float32, torch.float16),
@@ -181,5 +188,4 @@ def test_kernels_import_nothing_above_them():
         tree = ast.parse(open(module.__file__).read())
         names = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
         names |= {'.' * node.level + (node.module or '') for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-        assert names <= {'torch', 'triton', 'triton.language', '.activations', '.blocks', '.first_stage', '.scalars',
-                         '.second_stage'}, names
+        assert names <= {'torch', 'triton', 'triton.language', '.activations', '.common', '.first_stage'}, names

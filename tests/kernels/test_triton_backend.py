@@ -3,17 +3,34 @@ tests hold to the reference compositions): outputs, input and parameter gradient
 training steps, a shared layer, eval; at most 6 launches per training step; the backend switch; the
 fallback to ATen when a kernel fails to compile."""
 import copy
+import functools
 import warnings
 
 import pytest
 import torch
 
 from normdense.kernels import backend as B
-from normdense.kernels import passes as P
+from normdense.kernels import triton as P
 from normdense.layers import BatchChannelNorm2d, Unitization2d
 from tests.kernels.conftest import INTERPRETED
 from tests.kernels.launches import count_launches
 from tests.layers.test_fused import CASES, C, assert_same, make, run
+
+def force_split(monkeypatch, split):
+    """The Triton backend's passes given ``split`` chunks per row (their keyword); returns the list of the
+    chunks per row each moments launch then took."""
+    seen = []
+    moments = P.moment_partials
+
+    def moment_partials(x3, split=split):
+        part = moments(x3, split=split)
+        seen.append(part[1])
+        return part
+    monkeypatch.setattr(P, 'moment_partials', moment_partials)
+    for name in ('apply', 'sums', 'dx'):
+        monkeypatch.setattr(P, name, functools.partial(getattr(P, name), split=split))
+    return seen
+
 
 def pair(name, dtype=torch.float64, device='cpu'):
     aten, _ = make(name, dtype)
@@ -22,12 +39,13 @@ def pair(name, dtype=torch.float64, device='cpu'):
     return tri.to(device), aten.to(device)
 
 
-@pytest.mark.parametrize('split', [None, 2])
+@pytest.mark.parametrize('split', [None, 1])
 @pytest.mark.parametrize('name', sorted(CASES))
 def test_triton_equals_aten_over_training_steps(device, name, split, monkeypatch):
     """float64: three training steps (HW 1 to 1001; the first and last with a layer shared by two inputs, an FPN
-    head), then eval; the Triton kernels really ran (launches counted)."""
-    monkeypatch.setattr(P, 'FORCE_SPLIT', split)
+    head), then eval; the Triton kernels really ran (launches counted). Rows in chunks of a tile (the default
+    here: 1001 positions in 2 chunks) or in one chunk (``split`` 1)."""
+    seen = force_split(monkeypatch, split)
     tri, aten = pair(name, device=device)
     for i, shapes in enumerate([[(3, C, 5, 6), (1, C, 1, 3)], [(2, C, 13, 17)], [(2, C, 1, 1), (1, C, 7, 143)]]):
         torch.manual_seed(10 + i)
@@ -41,6 +59,7 @@ def test_triton_equals_aten_over_training_steps(device, name, split, monkeypatch
                 for p in layer.parameters():
                     p.sub_(0.1 * p.grad)
                     p.grad = None
+    assert max(seen) == (2 if split is None else 1), seen
     tri.eval(), aten.eval()
     x = (torch.randn(2, C, 4, 4, dtype=torch.float64) - 0.5).to(device)
     assert_same(run(tri, [x]), run(aten, [x]))
@@ -50,23 +69,22 @@ def test_triton_equals_aten_over_training_steps(device, name, split, monkeypatch
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize('name', sorted(CASES))
-def test_at_most_6_launches_per_training_step(device, name, dtype):
+def test_at_most_6_launches_per_training_step(device, name, dtype, monkeypatch):
     """Forward + backward of one training call: Triton launches plus any other operator (each a launch on a
     GPU) <= 6, with rows split into chunks: moments, the map with the first stage folded in, apply; sums,
     the VJP adding the chunks' sums as it loads them, dx. In bf16 too (``model.bfloat16()``: the parameter
     gradients are written in the parameters' dtype, no cast)."""
     tri, _ = pair(name, dtype, device)
-    x = torch.randn(2, C, 40, 40, device=device, dtype=dtype, requires_grad=True)
-    dy = torch.randn(2, C, 40, 40, device=device, dtype=dtype)
+    x = torch.randn(2, C, 40, 80, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(2, C, 40, 80, device=device, dtype=dtype)
     tri(x).backward(dy)  # the first call of an estimate layer opens its iteration; caches warm
     for t in [x, *tri.parameters()]:
         t.grad = None
-    old, P.FORCE_SPLIT = P.FORCE_SPLIT, 2
-    try:
+    with monkeypatch.context() as mp:
+        seen = force_split(mp, 2)  # 2 chunks of 2 tiles (the default: 4 of one)
         with count_launches() as n:
             tri(x).backward(dy)
-    finally:
-        P.FORCE_SPLIT = old
+    assert seen == [2], seen
     total = n['triton'] + n['aten']
     assert total <= 6, f"{name}: {total} launches ({n['names']} + ATen {n['ops']})"
     assert all(p.grad.dtype == p.dtype for p in tri.parameters() if p.requires_grad)
@@ -292,18 +310,24 @@ def test_channels_last_and_autocast_without_hidden_passes(device, name):
     torch.testing.assert_close(xl.grad.float(), xc.grad.float(), rtol=0.02, atol=0.02)
 
 
+def small_coefficient_tiles(monkeypatch):
+    """The BCN and GN+PN coefficient kernels given tiles of 32 elements (their ``tile``; 512 by default)."""
+    from normdense.kernels import bcn, proxy_norm
+    for module in (bcn, proxy_norm):
+        for name in ('coeff_map', 'coeff_vjp'):
+            monkeypatch.setattr(module, name, functools.partial(getattr(module, name), tile=32))
+
+
 @pytest.mark.parametrize('name', ['bcn-estimate', 'bcn-batch-channel-affine', 'gnpn-gelu',
                                   'lnpn-silu-no-proxy-affine', 'unitization-batch', 'unitization-batch-cumulative'])
 def test_large_batch_sums_in_sample_blocks(device, name, monkeypatch):
     """Many samples (N = 24 with the coefficient kernels' tiles lowered to 32 elements, as N = 384 with the
-    default 512): the layer's VJP runs on sample blocks as well as channel blocks (``kernels.second_stage``)
+    default 512): the layer's VJP runs on sample blocks as well as channel blocks (``kernels.common.BlockSums``)
     and dx sums their partial parameter gradients (and dmean, dvar) in its own launch: float64 equal to ATen,
     at most 6 launches, the same bits on a second run; with an input that needs no gradient (no dx) torch
     sums them."""
-    from normdense.kernels import bcn, proxy_norm
-    from normdense.kernels import second_stage as S
-    monkeypatch.setattr(bcn, '_TILE', 32)
-    monkeypatch.setattr(proxy_norm, '_TILE', 32)
+    from normdense.kernels import common as S
+    small_coefficient_tiles(monkeypatch)
     blocks = []
     init = S.BlockSums.__init__
 
@@ -341,10 +365,8 @@ def test_large_batch_sums_in_sample_blocks(device, name, monkeypatch):
 def test_large_batch_sums_without_enough_dx_programs(device, monkeypatch):
     """dx whose programs cannot take a block of the partials' columns each (forced here: blocks of 0 columns)
     leaves the second stage to torch: the same gradients as ATen."""
-    import triton.language as tl
-    from normdense.kernels import bcn, second_stage
-    monkeypatch.setattr(bcn, '_TILE', 32)
-    monkeypatch.setattr(second_stage, 'FINISH_BLOCK', tl.constexpr(0))
+    small_coefficient_tiles(monkeypatch)
+    monkeypatch.setattr(P, 'dx', functools.partial(P.dx, finish_block=0))
     tri, aten = pair('bcn-batch', device=device)
     torch.manual_seed(5)
     x = (torch.randn(24, C, 2, 1, dtype=torch.float64) * 2 + 1).to(device)

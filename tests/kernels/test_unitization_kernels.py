@@ -93,7 +93,7 @@ def test_several_programs_and_blocks(affine, stats, divisor, var_correction, dev
     """C = 300 (three channel blocks of 128: three VJP programs per sample block, each summing p's terms over
     all channel blocks) and N = 17 (float64: 9 blocks of 2 samples, in the map and in the VJP, whose partial
     sums the second stage adds)."""
-    from normdense.kernels.blocks import sample_blocks
+    from normdense.kernels.common import sample_blocks
     from normdense.kernels.unitization import _blocks
     block_n, block_c = _blocks(300, torch.float64)
     assert 300 > 2 * block_c and 17 > 2 * block_n

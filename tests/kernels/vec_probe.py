@@ -71,7 +71,7 @@ def record(cases):
         variants.setdefault(key, (self, signature, constexprs, current['case']))
 
     JITFunction.run = run
-    from normdense.kernels import passes as P
+    from normdense.kernels import triton as P
     from normdense.kernels.activations import act_args
     for case in cases:
         layout, xdt, dydt, ydt, n, hw, act = case
