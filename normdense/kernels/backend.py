@@ -7,7 +7,7 @@ a layer VJP's deferred sums (:class:`PendingSums`). Algorithm 1's and the runnin
 (:func:`estimate_moments`, :func:`estimate_step`, :func:`tracked`) is here too: the ATen backend and the layers'
 estimates share it.
 
-Which backend: the the layer's ``backend`` option, else the environment variable ``NORMDENSE_BACKEND``, else
+Which backend: the layer's ``backend`` option, else the environment variable ``NORMDENSE_BACKEND``, else
 ``auto``: Triton for CUDA tensors when triton imports and no kernel has failed to compile in this process,
 else ATen. A kernel that fails to compile under ``auto`` makes the process fall back to ATen with one
 warning; a forced ``triton`` raises instead. Imports no layer (and no triton until asked).
