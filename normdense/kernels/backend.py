@@ -15,7 +15,7 @@ warning; a forced ``triton`` raises instead. Imports no layer (and no triton unt
 import contextlib
 import os
 import warnings
-from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple, runtime_checkable
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 from torch import Tensor
@@ -162,14 +162,14 @@ class Statistics(NamedTuple):
     request: StatsRequest
 
 
-@runtime_checkable
-class PendingSums(Protocol):
-    """A layer VJP's parameter gradients left as sample blocks' partials (large N, Triton maps): ``params`` their
-    final storage, filled by the dx launch or by :meth:`finish` (which returns (dmean, dvar))."""
+class PendingSums:
+    """Base of a layer VJP's parameter gradients left as sample blocks' partials (large N, kernel maps):
+    ``params`` their final storage, filled by the backend's dx launch or by :meth:`finish` (which returns
+    (dmean, dvar)). A class, not a runtime Protocol: the engine's isinstance check stays a C call."""
     params: list
 
     def finish(self) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-        ...
+        raise NotImplementedError
 
 
 class Backend(Protocol):

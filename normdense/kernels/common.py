@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .backend import PendingSums
+
 CHUNK = 256  # the default chunk (channels) of a group walked in chunks by the BCN and GN+PN kernels
 VJP_PROGRAMS = 32  # a VJP looping over many samples spreads its groups over at least this many programs
 PROGRAMS = 128  # ... and its samples over sample blocks until about this many programs (an H100 has 132 SMs)
@@ -175,7 +177,7 @@ def sample_blocks(n: int, block_n: int, programs: int):
 
 
 # --- the second stage ------------------------------------------------------------------------------------------
-class BlockSums:
+class BlockSums(PendingSums):
     """Where a VJP kernel writes its per-channel sums: the final gradients (SB = 1), or the partials (SB, width)
     of its sample blocks with the final parameter gradients' storage (``out``) that :func:`finish` fills.
 
