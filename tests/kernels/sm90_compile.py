@@ -55,6 +55,8 @@ def _sig(value):
         return 'i64' if abs(value) >= 2 ** 31 else 'i32'
     if isinstance(value, float):
         return 'fp32'
+    if isinstance(value, tuple):  # a tuple argument (the map kernels' folded first stage)
+        return tuple(_sig(v) for v in value)
     raise TypeError(f'unexpected kernel argument {value!r}')
 
 
