@@ -32,9 +32,9 @@ from typing import NamedTuple, Optional
 import torch
 from torch.ops import aten
 
+from .backend import HALF as _HALF
 from .backend import STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, Statistics, StatsRequest, estimate_update, tracked
 
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

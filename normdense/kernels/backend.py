@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 BACKENDS = ('auto', 'aten', 'triton')
+HALF = (torch.float16, torch.bfloat16)  # statistics never run in these: sums over positions overflow or round away
 ENV = 'NORMDENSE_BACKEND'
 
 # why: importing triton is tried once per process, and a failed compile gives Triton up for the process

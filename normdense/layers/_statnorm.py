@@ -23,12 +23,12 @@ import torch.nn as nn
 
 from ..errors import ExportError
 from ..kernels.aten import AtenBackend
+from ..kernels.backend import HALF as _HALF
 from ..kernels.backend import (STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, PendingSums, Statistics, StatsRequest,
                                check_backend, give_up_triton, selected_backend, tracked)
 from ._distributed import synced_batch_moments, synced_batch_moments_vjp
 from ._estimate import Estimates, in_backward, mark_iteration, mark_on_backward
 
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def _triton():
