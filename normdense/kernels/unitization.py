@@ -33,7 +33,7 @@ def _blocks(channels: int, dtype=torch.float32):
 
 
 @triton.jit
-def _channels(rows, rmask, cols, C, mean_ptr, var_ptr, f, eps, dt):
+def _stage1_tile(rows, rmask, cols, C, mean_ptr, var_ptr, f, eps, dt):
     """A (samples, channels) tile: (channel mask, tile mask, offsets, stage 1's mean, var * f + eps)."""
     cmask = cols < C
     mask = rmask[:, None] & cmask[None, :]
@@ -60,7 +60,7 @@ def _coeff_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, b_ptr, 
     # sum_c e rs^2 per sample (Algorithm 2 lines 9-10); padded lanes give e = 0
     s = tl.zeros([BLOCK_N], dtype=dt)
     for c0 in range(0, C, BLOCK_C):
-        cmask, mask, idx, mean, den = _channels(rows, rmask, c0 + cols0, C, mean_ptr, var_ptr, f, eps, dt)
+        cmask, mask, idx, mean, den = _stage1_tile(rows, rmask, c0 + cols0, C, mean_ptr, var_ptr, f, eps, dt)
         rs2 = 1.0 / den
         mc = tl.load(m_ptr + idx, mask=mask, other=0.0) - mean[None, :]
         e = tl.load(v_ptr + idx, mask=mask, other=0.0) + mc * mc
@@ -69,7 +69,7 @@ def _coeff_map_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, alpha_ptr, w_ptr, b_ptr, 
     tl.store(p_ptr + rows, p, mask=rmask)
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + cols0
-        cmask, mask, idx, mean, den = _channels(rows, rmask, cols, C, mean_ptr, var_ptr, f, eps, dt)
+        cmask, mask, idx, mean, den = _stage1_tile(rows, rmask, cols, C, mean_ptr, var_ptr, f, eps, dt)
         alpha = tl.load(alpha_ptr + cols, mask=cmask, other=0.0).to(dt)
         rs = rsqrt(den)
         # for the VJP (no float64 division there: no spills)
