@@ -1,7 +1,7 @@
 """A/B of two checkouts: one fwd+bwd training step of BCN / GN+PN / Unitization against nn.GroupNorm(32, C),
 each checkout in its own worker process, timed side by side in one run.
 
-    python benchmarks/compare_commits.py --a /work/wt-f4ac39a --b /work/main --out /tmp/ab
+    python benchmarks/compare_commits.py --a ../normdense-old --b . --out /tmp/ab
     python benchmarks/compare_commits.py --a OLD --b NEW --rounds 9 --shapes 2x256x64x64 --threads 2 \
         --malloc retain --out /tmp/ab          # writes /tmp/ab.json and /tmp/ab.md
 
@@ -79,8 +79,9 @@ def worker(checkout, threads):
             for _ in range(2):
                 for s in steps.values():
                     s()
-            reply = dict(ops={n: count_ops(s) for n, s in steps.items()}, file=normdense.__file__,
-                         malloc=malloc_mode(), threads=torch.get_num_threads())
+            reply = dict(ops={n: count_ops(s) for n, s in steps.items()},
+                         file=osp.relpath(normdense.__file__, checkout), malloc=malloc_mode(),
+                         threads=torch.get_num_threads())
         else:  # one round: every row once, starting at row k
             names = list(steps)
             k = req['round'] % len(names)
@@ -186,7 +187,7 @@ def main():
         p.error('--a and --b are required')
     dirs = {'a': osp.abspath(args.a), 'b': osp.abspath(args.b)}
     shapes = [[int(s) for s in sh.split('x')] for sh in args.shapes]
-    res = dict(a=dirs['a'], b=dirs['b'], commit_a=commit_of(dirs['a']), commit_b=commit_of(dirs['b']),
+    res = dict(a=osp.basename(dirs['a']), b=osp.basename(dirs['b']), commit_a=commit_of(dirs['a']), commit_b=commit_of(dirs['b']),
                threads=args.threads, malloc=args.malloc, rounds=args.rounds, order=args.order,
                loadavg_start=[round(v, 2) for v in os.getloadavg()], settings={})
     workers = {k: Worker(d, args.threads, args.malloc) for k, d in dirs.items()}

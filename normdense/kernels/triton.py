@@ -19,7 +19,7 @@ import triton
 from .activations import act_args
 from .backend import Statistics, StatsRequest, compile_errors, device_guard
 from .common import FINISH_BLOCK, acc_dtype, cl_blocks, hi_lo, vector_width
-from .first_stage import FirstStage, stats  # noqa: F401  (the standalone first stage, for the tests)
+from .first_stage import FirstStage
 from .passes import _apply_kernel, _dx_kernel, _merge_kernel, _moments_kernel, _sums_kernel
 
 ACT_NONE = -1  # y = A t + B, no activation

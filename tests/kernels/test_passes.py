@@ -7,6 +7,7 @@ import pytest
 import torch
 import triton
 
+from normdense.kernels import first_stage as F
 from normdense.kernels import triton as P
 from normdense.kernels.backend import STATS_BATCH, STATS_ESTIMATE
 
@@ -56,7 +57,7 @@ def moments(x, s):
         block, length = P._plan(x)['BLOCK'], x.shape[2]
         tiles = -(-length // block)
         assert chunk == -(-tiles // min(s, tiles)) * block and n_split == -(-length // chunk) <= s
-    return P.stats(part, n_split, chunk, x.shape)[:2]
+    return F.stats(part, n_split, chunk, x.shape)[:2]
 
 
 @pytest.mark.parametrize('shape,layout,s,small', CASES, ids=IDS)
@@ -257,7 +258,7 @@ def test_batch_statistics_and_tracking(device, layout):
     nbt = torch.tensor(4, device=device)
     for momentum in (0.1, None):
         part, s, chunk = P.moment_partials(x, split=2)
-        m, v, mean, var, _, upd = P.stats(part, s, chunk, x.shape, STATS_BATCH, rm, rv, momentum=momentum,
+        m, v, mean, var, _, upd = F.stats(part, s, chunk, x.shape, STATS_BATCH, rm, rv, momentum=momentum,
                                           write=True, nbt=nbt)
         flat = x.transpose(0, 1).reshape(5, -1)
         torch.testing.assert_close(mean, flat.mean(1), rtol=1e-12, atol=1e-12)
@@ -281,7 +282,7 @@ def test_estimate_statistics(device):
     rm, rv = torch.randn(6, dtype=torch.float64, device=device), torch.rand(6, dtype=torch.float64, device=device) + 1
     base = torch.empty(2, 6, dtype=torch.float64, device=device)
     part, s, chunk = P.moment_partials(x)
-    m, v, mean, var, moved, upd = P.stats(part, s, chunk, x.shape, STATS_ESTIMATE, rm, rv, base, rate=0.3,
+    m, v, mean, var, moved, upd = F.stats(part, s, chunk, x.shape, STATS_ESTIMATE, rm, rv, base, rate=0.3,
                                           write=True)
     flat = x.transpose(0, 1).reshape(6, -1)
     mu, second = flat.mean(1), ((flat - rm[:, None]) ** 2).mean(1)
@@ -292,5 +293,5 @@ def test_estimate_statistics(device):
     torch.testing.assert_close(base, torch.stack([rm, rv]))
     # a later call of the iteration reads base instead of the buffers
     rm2 = rm + 5
-    _, _, mean2, _, _, upd2 = P.stats(part, s, chunk, x.shape, STATS_ESTIMATE, rm2, rv, base, rate=0.3)
+    _, _, mean2, _, _, upd2 = F.stats(part, s, chunk, x.shape, STATS_ESTIMATE, rm2, rv, base, rate=0.3)
     torch.testing.assert_close(mean2, mean) and upd2 is None
