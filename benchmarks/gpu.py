@@ -1,10 +1,12 @@
-"""GPU benchmark of the StatNorm engine's backends: nn.GroupNorm(32) and each Triton-backed layer (BCN estimate
-and batch, GN+PN relu, Unitization batch and estimate) with ``backend='aten'`` and ``backend='triton'``,
-training-mode forward and forward+backward at the FPN levels P2-P7 of two 800x1216 images (2x256x200x304 ..
-2x256x7x10) in bf16, fp16 and fp32; IterNorm (64 channels/group, T=5) against eigh-based ZCA at P3 in fp32.
+"""GPU benchmark of the StatNorm engine's backends: nn.GroupNorm(32), nn.BatchNorm2d and each Triton-backed
+layer (BCN estimate and batch, GN+PN relu, Unitization batch and estimate) with ``backend='aten'`` and
+``backend='triton'``, training-mode forward and forward+backward at the FPN levels P2-P7 of two 800x1216 images
+(2x256x200x304 .. 2x256x7x10) in bf16, fp16 and fp32; IterNorm (64 channels/group, T=5) against eigh-based ZCA
+at P3 in fp32.
 
     python benchmarks/gpu.py                        # CUDA: benchmarks/results/gpu_<device>.json and .md
-    python benchmarks/gpu.py --out R/benchmark.json --md R/benchmark.md    # what scripts/gpu_check.sh runs
+    python benchmarks/gpu.py --levels P2,P3 --dtypes bf16,fp32 --out R/benchmark.json --md R/benchmark.md
+                                                    # what scripts/gpu_check.sh runs
     python benchmarks/gpu.py --device cpu --quick   # no GPU: the code path on a tiny shape (no measurement)
 
 Timing: each call synchronized before and after (host clock, benchmarks/_timing.py ``device_times``), so the
@@ -50,7 +52,7 @@ QUICK_LEVELS = {'tiny': (1, 64, 8, 8)}
 DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': torch.float32}
 QUICK_DTYPES = ('bf16', )
 BACKENDS = ('aten', 'triton')
-GN = 'nn.GroupNorm(32)'
+GN, BN = 'nn.GroupNorm(32)', 'nn.BatchNorm2d'
 TARGET_LEVELS, TARGET_DTYPE = ('P2', 'P3'), 'bf16'
 MAX_VS_GN, MIN_FLOOR_FRACTION, MIN_ZCA_OVER_ITERNORM = 1.2, 0.7, 5.0
 FWD_PASSES, BWD_PASSES = 3, 5
@@ -132,7 +134,9 @@ def bench_setting(shape, dtype, device, repeats, warmup, copy_bw):
     torch.manual_seed(0)
     x = torch.randn(shape, device=device, dtype=dtype).requires_grad_(True)
     grad = torch.randn(shape, device=device, dtype=dtype)
-    modules, unavailable = {GN: nn.GroupNorm(32, shape[1]).to(device=device, dtype=dtype).train()}, {}
+    modules = {GN: nn.GroupNorm(32, shape[1]).to(device=device, dtype=dtype).train(),
+               BN: nn.BatchNorm2d(shape[1]).to(device=device, dtype=dtype).train()}
+    unavailable = {}
     for name, factory in layer_factories(shape[1]).items():
         for backend in BACKENDS:
             module, why = build(factory, backend, x, device)
@@ -152,7 +156,8 @@ def bench_setting(shape, dtype, device, repeats, warmup, copy_bw):
                 rows[name].update(launch_counts(calls[name]))
     for row in rows.values():
         s = row['fwd+bwd_ms'] * 1e-3
-        row.update(vs_gn=row['fwd+bwd_ms'] / rows[GN]['fwd+bwd_ms'], floor_bytes=floor, gbps=floor / s / 1e9,
+        row.update(vs_gn=row['fwd+bwd_ms'] / rows[GN]['fwd+bwd_ms'], vs_bn=row['fwd+bwd_ms'] / rows[BN]['fwd+bwd_ms'],
+                   floor_bytes=floor, gbps=floor / s / 1e9,
                    floor_fraction=floor / copy_bw / s)
     return rows, unavailable
 
@@ -216,7 +221,7 @@ def markdown(results):
     levels = list(results['levels'])
     for dname in results['dtypes']:
         settings = [results['settings'][f'{lv} {dname}'] for lv in levels]
-        lines += [f'**{dname}**: fwd+bwd ms / x nn.GroupNorm / % of byte floor', '',
+        lines += [f'**{dname}**: fwd+bwd ms / x nn.GroupNorm / x nn.BatchNorm2d / % of byte floor', '',
                   '| layer | ' + ' | '.join(levels) + f' | launches ({levels[-1]}) |',
                   '|---|' + '---|' * (len(levels) + 1)]
         names = list(settings[0]['rows']) + list(settings[0]['unavailable'])
@@ -225,7 +230,8 @@ def markdown(results):
             for s in settings:
                 r = s['rows'].get(name)
                 cells.append('n/a' if r is None else
-                             f"{r['fwd+bwd_ms']:.3f} / {r['vs_gn']:.2f} / {100 * r['floor_fraction']:.0f}%")
+                             f"{r['fwd+bwd_ms']:.3f} / {r['vs_gn']:.2f} / {r['vs_bn']:.2f} / "
+                             f"{100 * r['floor_fraction']:.0f}%")
             last = settings[-1]['rows'].get(name)
             lines.append(f'| {name} | ' + ' | '.join(cells) + f" | {last['launches'] if last else 'n/a'} |")
         lines.append('')
@@ -252,6 +258,9 @@ def main(argv=None):
     parser.add_argument('--quick', action='store_true', help='a tiny shape in bf16, 3 repeats: the code path only')
     parser.add_argument('--repeats', type=int, default=None, help='timed rounds (default 25; 3 with --quick)')
     parser.add_argument('--warmup', type=int, default=None, help='untimed rounds first (default 3; 1 with --quick)')
+    parser.add_argument('--levels', default=None,
+                        help=f'comma-separated FPN levels (default all: {",".join(LEVELS)})')
+    parser.add_argument('--dtypes', default=None, help=f'comma-separated dtypes (default all: {",".join(DTYPES)})')
     parser.add_argument('--out', default=None, help='JSON path (default benchmarks/results/gpu_<device>.json)')
     parser.add_argument('--md', default=None, help='markdown path (default: the JSON path with .md)')
     args = parser.parse_args(argv)
@@ -262,6 +271,14 @@ def main(argv=None):
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     levels = QUICK_LEVELS if args.quick else LEVELS
     dtypes = QUICK_DTYPES if args.quick else tuple(DTYPES)
+    for arg, flag, known in ((args.levels, '--levels', LEVELS), (args.dtypes, '--dtypes', DTYPES)):
+        bad = [v for v in (arg or '').split(',') if arg and v not in known]
+        if bad:
+            parser.error(f'{flag}: unknown {", ".join(bad)} (choose from {", ".join(known)})')
+    if args.levels and not args.quick:
+        levels = {k: LEVELS[k] for k in args.levels.split(',')}
+    if args.dtypes and not args.quick:
+        dtypes = tuple(args.dtypes.split(','))
     device_name = torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'
     try:
         import triton
@@ -286,13 +303,13 @@ def main(argv=None):
             rows, unavailable = bench_setting(shape, DTYPES[dname], args.device, repeats, warmup, copy_bw)
             results['settings'][f'{level} {dname}'] = dict(shape=list(shape), rows=rows, unavailable=unavailable)
             print(f'\n{level} {"x".join(map(str, shape))} {dname}: {"row":30s} {"fwd ms":>8s} {"f+b ms":>8s} '
-                  f'{"x GN":>5s} {"GB/s":>6s} {"floor":>6s} {"launches":>8s}')
+                  f'{"x GN":>5s} {"x BN":>5s} {"GB/s":>6s} {"floor":>6s} {"launches":>8s}')
             for name, r in rows.items():
-                print(f'  {name:40s} {r["fwd_ms"]:8.3f} {r["fwd+bwd_ms"]:8.3f} {r["vs_gn"]:5.2f} {r["gbps"]:6.0f} '
+                print(f'  {name:40s} {r["fwd_ms"]:8.3f} {r["fwd+bwd_ms"]:8.3f} {r["vs_gn"]:5.2f} {r["vs_bn"]:5.2f} {r["gbps"]:6.0f} '
                       f'{100 * r["floor_fraction"]:5.0f}% {r["launches"]:8d}')
             for name, why in unavailable.items():
                 print(f'  {name:40s} n/a: {why}')
-    wlevel = 'tiny' if args.quick else 'P3'
+    wlevel = 'tiny' if args.quick else 'P3' if 'P3' in levels else list(levels)[-1]
     results['whitening'] = dict(bench_whitening(levels[wlevel], args.device, repeats, warmup), level=wlevel)
     results['targets'] = check_targets(results, list(QUICK_LEVELS) if args.quick else TARGET_LEVELS)
     results['wall_s'] = time.perf_counter() - t_start

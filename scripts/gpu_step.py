@@ -3,6 +3,7 @@ program scripts/gpu_check.sh runs under ``compute-sanitizer --tool memcheck``.
 
     PYTHONPATH=. python scripts/gpu_step.py            # BCN estimate, BCN batch, GN+PN relu, Unitization batch
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 python scripts/gpu_step.py
+    compute-sanitizer --tool racecheck --error-exitcode 1 python scripts/gpu_step.py --one   # BCN estimate, bf16, odd shape
 
 Two shapes per layer: one with odd tails (channels per group, H x W not multiples of any block size) and a
 P5-sized FPN map. Without PyTorch's caching allocator (the variable above) every tensor is its own device
@@ -41,10 +42,13 @@ def main():
         from normdense.kernels.backend import selected_backend
     except ImportError as e:
         sys.exit(f'gpu_step.py: the Triton backend does not import: {e}')
+    one = sys.argv[1:] == ['--one']  # racecheck is slow: the first step alone
+    if sys.argv[1:] and not one:
+        sys.exit(f'gpu_step.py: unknown arguments {sys.argv[1:]} (usage: gpu_step.py [--one])')
     failed = 0
-    for shape in SHAPES:
-        for dtype in (torch.bfloat16, torch.float32):
-            for name, make in layers(shape[1]).items():
+    for shape in SHAPES[:1] if one else SHAPES:
+        for dtype in (torch.bfloat16, ) if one else (torch.bfloat16, torch.float32):
+            for name, make in list(layers(shape[1]).items())[:1] if one else layers(shape[1]).items():
                 what = f'{name} {"x".join(map(str, shape))} {str(dtype)[6:]}'
                 try:
                     module = make().cuda().train()

@@ -122,7 +122,14 @@ def exporting() -> bool:
     return torch.onnx.is_in_onnx_export() or torch.jit.is_tracing() or _is_exporting()
 
 
-_is_exporting = getattr(torch.compiler, 'is_exporting', lambda: False)  # torch >= 2.5 has it
+def _is_exporting() -> bool:
+    is_exporting = getattr(torch.compiler, 'is_exporting', None)  # torch >= 2.5 has it
+    return bool(is_exporting and is_exporting())
+
+
+if hasattr(torch.compiler, 'assume_constant_result'):
+    # run, not traced: before torch 2.12 Dynamo folds is_exporting() to True under torch.compile (pytorch#176347)
+    _is_exporting = torch.compiler.assume_constant_result(_is_exporting)
 
 # --- the contract -----------------------------------------------------------------------------------------------
 # The first stage's modes (the Triton stats kernel's MODE): no per-channel statistics (GN+PN); fixed ones (eval:

@@ -31,16 +31,17 @@ def _check_rows(data, measured_layers):
     assert data['conditions']['device'] == 'cpu' and data['conditions']['quick'] is True
     assert list(data['settings']) == ['tiny bf16'] and data['copy_bandwidth_gbps'] > 0
     s = data['settings']['tiny bf16']
-    expected = {gpu.GN} | {f'{n} [{b}]' for n in LAYERS for b in gpu.BACKENDS}
+    expected = {gpu.GN, gpu.BN} | {f'{n} [{b}]' for n in LAYERS for b in gpu.BACKENDS}
     assert set(s['rows']) | set(s['unavailable']) == expected and not set(s['rows']) & set(s['unavailable'])
     assert all(s['unavailable'].values())  # each with its reason
-    assert {f'{n} [aten]' for n in measured_layers} | {gpu.GN} <= set(s['rows'])
+    assert {f'{n} [aten]' for n in measured_layers} | {gpu.GN, gpu.BN} <= set(s['rows'])
     floor = 8 * 64 * 64 * 2  # 3 + 5 passes over a bf16 1x64x8x8
     for name, row in s['rows'].items():
         assert row['fwd_ms'] > 0 and row['fwd+bwd_ms'] > 0 and row['floor_bytes'] == floor, name
         assert row['gbps'] > 0 and row['floor_fraction'] > 0 and row['gpu_kernels'] is None, name
         assert row['launches'] == row['aten_ops'] + row['triton_launches'] > 0, name
     assert s['rows'][gpu.GN]['vs_gn'] == 1.0 and s['rows'][gpu.GN]['triton_launches'] == 0
+    assert s['rows'][gpu.BN]['vs_bn'] == 1.0 and s['rows'][gpu.BN]['triton_launches'] == 0
     assert len(data['targets']) == 2 * len(LAYERS) + 2
     for t in data['targets'][:-2]:  # a target without its row fails, with the reason
         assert t['passed'] is False or t['value'] is not None

@@ -103,3 +103,22 @@ def test_compiled_training_step_on_the_aten_path(compiler):
         torch.testing.assert_close(losses['compiled'], losses['eager'], rtol=tol, atol=tol)
         for (name, a), b in zip(eager.state_dict().items(), twin.state_dict().values()):
             torch.testing.assert_close(b, a, rtol=tol, atol=tol, msg=name)
+
+
+def test_compile_is_not_taken_for_export(monkeypatch):
+    """torch.compile of a training BCN is not mistaken for an export (which would raise 'exports in eval mode
+    only'): before torch 2.12 Dynamo folded torch.compiler.is_exporting() to True while compiling
+    (pytorch#176347). Emulated here on any torch by an is_exporting() that reads is_compiling(), which Dynamo
+    folds to True when it traces it; exporting() must evaluate it instead."""
+    if not hasattr(torch.compiler, 'is_exporting'):
+        pytest.skip('torch < 2.5 has no torch.compiler.is_exporting: nothing to mistake')
+    from normdense.kernels.backend import exporting
+    monkeypatch.setattr(torch.compiler, 'is_exporting', lambda: torch.compiler.is_compiling())
+    layer = triton_layer('bcn-estimate', 'aten').train()
+    torch._dynamo.reset()
+    x = torch.randn(2, C, 5, 6, dtype=torch.float64, requires_grad=True)
+    compiled = torch.compile(layer, backend='aot_eager', fullgraph=True)
+    compiled(x).sum().backward()  # the training engine ran: the estimates moved, no ExportError
+    assert x.grad is not None and not exporting()
+    torch._dynamo.reset()
+    assert torch.compile(lambda t: t + exporting(), backend='aot_eager', fullgraph=True)(torch.zeros(1)).item() == 0
