@@ -305,8 +305,8 @@ def main(argv=None):
             print(f'\n{level} {"x".join(map(str, shape))} {dname}: {"row":30s} {"fwd ms":>8s} {"f+b ms":>8s} '
                   f'{"x GN":>5s} {"x BN":>5s} {"GB/s":>6s} {"floor":>6s} {"launches":>8s}')
             for name, r in rows.items():
-                print(f'  {name:40s} {r["fwd_ms"]:8.3f} {r["fwd+bwd_ms"]:8.3f} {r["vs_gn"]:5.2f} {r["vs_bn"]:5.2f} {r["gbps"]:6.0f} '
-                      f'{100 * r["floor_fraction"]:5.0f}% {r["launches"]:8d}')
+                print(f'  {name:40s} {r["fwd_ms"]:8.3f} {r["fwd+bwd_ms"]:8.3f} {r["vs_gn"]:5.2f} {r["vs_bn"]:5.2f} '
+                      f'{r["gbps"]:6.0f} {100 * r["floor_fraction"]:5.0f}% {r["launches"]:8d}')
             for name, why in unavailable.items():
                 print(f'  {name:40s} n/a: {why}')
     wlevel = 'tiny' if args.quick else 'P3' if 'P3' in levels else list(levels)[-1]

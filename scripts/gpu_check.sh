@@ -9,7 +9,8 @@
 # Needs only torch and triton (and pytest) from the machine: nothing is installed or downloaded, mmcv is not
 # needed (NORMDENSE_LAYERS_ONLY=1 where mmengine or mmcv is missing; mmengine's tests are then reported as
 # skipped); pytest-xdist, where there, runs the tests in 8 processes. Writes into RESULTS_DIR (8 files):
-# pytest.log, sanitizer.log, racecheck.log, benchmark.log, benchmark.json (the numbers), benchmark.md (the table), summary.md and summary.json (each step's outcome, the machine).
+# pytest.log, sanitizer.log, racecheck.log, benchmark.log, benchmark.json (the numbers), benchmark.md (the
+# table), summary.md and summary.json (each step's outcome, the machine).
 # Without a GPU it says so in one line and exits 1; without triton, compute-sanitizer or pytest it skips
 # the steps that need them, one line each. Exit status 1 when a step failed.
 set -u
@@ -146,7 +147,8 @@ else
     line=$(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$out/racecheck.log" | tail -n 1 | sed 's/^=* *//')
     [ "$rc" = 0 ] && status=PASS || status=FAIL
     [ "$rc" = 124 ] && line="stopped at its time limit; $line"
-    record racecheck "$status" $((SECONDS - t0)) "${line:-see racecheck.log} ($(grep -c '^ok ' "$out/racecheck.log") steps ok)"
+    record racecheck "$status" $((SECONDS - t0)) \
+        "${line:-see racecheck.log} ($(grep -c '^ok ' "$out/racecheck.log") steps ok)"
 fi
 
 # summary.md and summary.json

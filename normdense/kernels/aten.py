@@ -128,9 +128,12 @@ def centred_sums(dy: torch.Tensor, x3: torch.Tensor, m: Optional[torch.Tensor], 
     """(sum_l dy (x - m), sum_l dy) per (n, c) in one reduction, nothing written (m None: 0)."""
     n, c, length = x3.shape
     mean = _zeros(x3, n * c, cd) if m is None else m.reshape(-1)
+    ones = _ones(x3, n * c, cd)
+    # CUDA's kernel makes grad_weight with weight's options: an undefined weight raises there
+    weight = None if x3.device.type == 'cpu' else ones
     _, dot, total = aten.native_batch_norm_backward(
-        dy.reshape(1, n * c, length), x3.reshape(1, n * c, length), None, None, None, mean,
-        _ones(x3, n * c, cd), True, 0.0, [False, True, True])
+        dy.reshape(1, n * c, length), x3.reshape(1, n * c, length), weight, None, None, mean, ones, True, 0.0,
+        [False, True, True])
     return dot.view(n, c), total.view(n, c)
 
 

@@ -9,9 +9,9 @@ code copies them back into the buffers); the parameters go in as inputs, so the 
 their gradients. The forward keeps the eager path's backward state under a ticket (a CPU int64 scalar:
 reading it syncs nothing) that the backward consumes.
 
-Imports no layer: a layer is reached through :func:`handle` and its duck-typed ``_statnorm_eager(x, keep)``
-(the engine's forward without an autograd graph, appending (state, backward function) to ``keep``),
-``_statnorm_params()`` and ``_statnorm_dtypes(x)``.
+Imports no layer: a layer is reached through :func:`handle` (it calls :func:`register` when created) and its
+duck-typed ``_statnorm_eager(x, keep)`` (the engine's forward without an autograd graph, appending (state,
+backward function) to ``keep``), ``_statnorm_params()`` and ``_statnorm_dtypes(x)``.
 """
 import contextlib
 import itertools
@@ -27,11 +27,16 @@ _TICKETS = itertools.count(1)  # why: a forward's key into _PENDING, unique per 
 _MAX_PENDING = 4096  # a safety net: forwards whose graph is alive without a backward, the oldest dropped
 
 
-@torch._dynamo.assume_constant_result  # run when traced (a weakref cannot be made in a graph): a constant
 def handle(layer) -> str:
-    key = f'{type(layer).__name__}@{id(layer):x}'
-    _LAYERS[key] = layer
-    return key
+    """The layer's key into the operator's registry; traced as a constant (Dynamo guards on the identity)."""
+    return f'{type(layer).__name__}@{id(layer):x}'
+
+
+def register(layer) -> None:
+    """Makes ``layer`` reachable by :func:`handle`, outside any traced code: a layer registers when it is
+    created (copies and unpickled ones too: ``__new__``) since Dynamo before torch 2.12 cannot pass a module
+    to a function run at trace time."""
+    _LAYERS[handle(layer)] = layer
 
 
 def _state_names(layer):

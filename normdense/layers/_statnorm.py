@@ -80,6 +80,13 @@ class StatNorm2d(nn.Module):
     _ESTIMATE_BUFFERS = ('running_mean', 'running_var')  # float32 under .half() in estimate mode
     _version = 2  # 2: num_batches_tracked for every layer with a first stage (BCN's checkpoints of 1 lack it)
 
+    def __new__(cls, *args, **kwargs):
+        layer = super().__new__(cls)
+        # reachable by the torch.compile operator: created, copied and unpickled layers all pass here
+        from ..kernels.torch_op import register
+        register(layer)
+        return layer
+
     def _init_statnorm(self, num_features: int, mode: Optional[str], sync_stats: bool, fused: bool,
                        backend: Optional[str], momentum=None) -> None:
         self.mode, self.sync_stats, self.momentum = mode, bool(sync_stats), momentum

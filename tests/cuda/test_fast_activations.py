@@ -38,7 +38,8 @@ def test_compiled_activations_equal_torch_on_cuda(dtype):
         f, d = torch.full_like(z, float('nan')), torch.full_like(z, float('nan'))
         act, p0, p1 = K.act_args(name, kwargs)
         _apply[(triton.cdiv(z.numel(), 256), )](z, f, d, z.numel(), act, p0, p1, 256)
-        z64 = z.double()
+        z64 = z.double().cpu()  # the reference on the CPU: ATen's CUDA hardswish multiplies by a float 1/6
+        f, d = f.cpu(), d.cpu()
         ref = PROXY_NORM_ACTIVATIONS[name][0](z64, **kwargs)
         dref = _BACKWARD[name](torch.ones_like(z64), z64, ref, kwargs)
         for what, got, want in (('phi', f, ref), ("phi'", d, dref)):

@@ -122,3 +122,16 @@ def test_compile_is_not_taken_for_export(monkeypatch):
     assert x.grad is not None and not exporting()
     torch._dynamo.reset()
     assert torch.compile(lambda t: t + exporting(), backend='aot_eager', fullgraph=True)(torch.zeros(1)).item() == 0
+
+
+def test_unpickled_layer_compiles():
+    """A layer loaded with pickle (torch.load of a whole model) is reachable by the compile operator: layers
+    register when created, copied or unpickled, since Dynamo before torch 2.12 cannot hand a module to a function
+    run at trace time."""
+    import pickle
+    from normdense.kernels import torch_op
+    layer = pickle.loads(pickle.dumps(triton_layer('bcn-batch', 'aten')))
+    assert torch_op._LAYERS.get(f'{type(layer).__name__}@{id(layer):x}') is layer  # before any trace
+    torch._dynamo.reset()
+    x = torch.randn(2, C, 5, 6, dtype=torch.float64)
+    torch.testing.assert_close(torch.compile(layer, backend='aot_eager', fullgraph=True)(x), layer(x))

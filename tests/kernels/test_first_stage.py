@@ -40,8 +40,8 @@ def test_stats_equal_aten(device, mode, momentum, write):
               momentum=momentum, write=write, nbt=nbt.to(device))
     tbase = base.clone().to(device)
     got = F.stats(*part, x.shape, base=tbase, **kw)
-    abase = base.clone()
-    want = _aten(x, base=abase, **kw)
+    abase = base.clone()  # the reference on the CPU tensors
+    want = _aten(x, base=abase, **dict(kw, stat_mean=stat_mean, stat_var=stat_var, nbt=nbt))
     for name, g, w in zip(['m', 'v', 'mean', 'var', 'moved'], got[:5], want[:5]):
         assert (g is None) == (w is None), name
         if g is not None:
