@@ -61,7 +61,7 @@ def _constant(size: int, value: float, dtype: torch.dtype, device: torch.device)
 
 def _plain(x: torch.Tensor) -> bool:
     # cache only for ordinary tensors (a fake or meta tensor's constants must not outlive their mode)
-    return type(x) is torch.Tensor and x.device.type != 'meta'
+    return type(x) is torch.Tensor and not x.is_meta  # is_meta: no device object made (4 calls a step)
 
 
 def _ones(x: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -71,8 +71,8 @@ def _ones(x: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def moments(x3: torch.Tensor):
-    """(m, v, buffer) of x3 (N, C, L), outside autograd: per-(n, c) mean and biased variance in the compute
-    dtype, and an activation-sized tensor of x's dtype that the forward may write y into (None on CUDA).
+    """(m, v, buffer) of x3 (N, C, L), under the caller's no_grad: per-(n, c) mean and biased variance in the
+    compute dtype, and an activation-sized tensor of x's dtype that the forward may write y into (None on CUDA).
 
     CPU: GroupNorm's forward kernel with one channel per group (faster than torch.var_mean's Welford
     reduction, docs/performance.md; E[x^2] - E[x]^2 in float32 loses the variance of a channel whose mean is
@@ -80,17 +80,16 @@ def moments(x3: torch.Tensor):
     channel has rstd = inf and v = rstd^-2 = 0 exactly (its normalized values, NaN, are never read: the
     buffer is only storage). With a float32 unit weight for half inputs, the kernel returns float32 moments.
     CUDA: SyncBN's statistics kernel, one read and nothing written."""
-    with torch.no_grad():
-        n, c, length = x3.shape
-        cd = compute_dtype(x3)
-        if x3.is_cuda:
-            m, invstd = torch.batch_norm_stats(x3.reshape(1, n * c, length), 0.0)
-            # a constant channel: SyncBN's InvStd returns 0 for var = eps = 0
-            v = torch.where(invstd > 0, invstd.pow(-2), 0.0)
-            return m.view(n, c).to(cd), v.view(n, c).to(cd), None
-        weight = _ones(x3, c, cd) if x3.dtype in _HALF else None
-        buf, m, rstd = aten.native_group_norm(x3, weight, None, n, c, length, c, 0.0)
-        return m.view(n, c), rstd.view(n, c).pow(-2), buf
+    n, c, length = x3.shape
+    cd = compute_dtype(x3)
+    if x3.is_cuda:
+        m, invstd = torch.batch_norm_stats(x3.reshape(1, n * c, length), 0.0)
+        # a constant channel: SyncBN's InvStd returns 0 for var = eps = 0
+        v = torch.where(invstd > 0, invstd.pow(-2), 0.0)
+        return m.view(n, c).to(cd), v.view(n, c).to(cd), None
+    weight = _ones(x3, c, cd) if x3.dtype in _HALF else None
+    buf, m, rstd = aten.native_group_norm(x3, weight, None, n, c, length, c, 0.0)
+    return m, rstd.pow(-2), buf  # (N, groups) = (N, C) already
 
 
 def apply(x3: torch.Tensor, m: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
@@ -103,7 +102,7 @@ def apply(x3: torch.Tensor, m: torch.Tensor, scale: torch.Tensor, shift: torch.T
     cd = scale.dtype
     mean = _zeros(x3, n * c, cd) if m is None else m.reshape(-1)
     var = _ones(x3, n * c, cd)
-    if out is None or x3.device.type != 'cpu':
+    if out is None or not x3.is_cpu:
         y = aten.native_batch_norm(flat, scale.reshape(-1), shift.reshape(-1), mean, var, False, 0.0, 0.0)[0]
         y = y.view(n, c, length)
         return y if out is None else out.copy_(y)
@@ -144,26 +143,26 @@ class PassCoeffs(NamedTuple):
 
 
 def _statistics(m, v, shape, request: StatsRequest):
-    """(mean, var, moved, update) of ``request`` from the moments, in torch; nothing of the module is written."""
+    """(mean, var, moved, update) of ``request`` from the moments, in torch, under no_grad (the caller's);
+    nothing of the module is written."""
     mean = var = moved = update = None
     mode, stat_mean, stat_var, base, rate, momentum, write, nbt = request
-    with torch.no_grad():
-        if mode == STATS_FIXED:  # copies: constants of this call, whatever later calls do to the buffers
-            mean, var = stat_mean.to(m.dtype, copy=True), stat_var.to(m.dtype, copy=True)
-        elif mode == STATS_ESTIMATE:
-            if write:  # the iteration's first call: its start is the buffers
-                torch.stack([stat_mean, stat_var], out=base)
-            moved, (mean, var) = estimate_update(m, v, base, rate)
-            if write:  # the buffers take this call's estimates
-                def update(running_mean, running_var):
-                    running_mean.copy_(mean)
-                    running_var.copy_(var)
-        elif mode == STATS_BATCH:
-            mean = m.mean(0)  # over the samples; the variance by the law of total variance
-            d = m - mean
-            var = torch.addcmul(v, d, d).mean(0)
-            if write:
-                update = tracked(mean, var, shape[0] * shape[2], momentum, nbt)
+    if mode == STATS_FIXED:  # copies: constants of this call, whatever later calls do to the buffers
+        mean, var = stat_mean.to(m.dtype, copy=True), stat_var.to(m.dtype, copy=True)
+    elif mode == STATS_ESTIMATE:
+        if write:  # the iteration's first call: its start is the buffers
+            torch.stack([stat_mean, stat_var], out=base)
+        moved, (mean, var) = estimate_update(m, v, base, rate)
+        if write:  # the buffers take this call's estimates
+            def update(running_mean, running_var):
+                running_mean.copy_(mean)
+                running_var.copy_(var)
+    elif mode == STATS_BATCH:
+        mean = m.mean(0)  # over the samples; the variance by the law of total variance
+        d = m - mean
+        var = torch.addcmul(v, d, d).mean(0)
+        if write:
+            update = tracked(mean, var, shape[0] * shape[2], momentum, nbt)
     return mean, var, moved, update
 
 
@@ -176,8 +175,9 @@ class AtenBackend:
     @staticmethod
     def first_stage(x3, request: StatsRequest, deferred: bool = True):
         x3 = x3.contiguous()  # the row kernels take (N, C, L) rows: channels_last is copied
-        m, v, out = moments(x3)
-        mean, var, moved, update = _statistics(m, v, x3.shape, request)
+        with torch.no_grad():  # one context for both (entering one costs about 3 us)
+            m, v, out = moments(x3)
+            mean, var, moved, update = _statistics(m, v, x3.shape, request)
         return x3, Statistics(m, v, mean, var, moved, update, None, out, request)
 
     @staticmethod
@@ -204,11 +204,11 @@ class AtenBackend:
             z = apply(x3, m, a, b, buf)
             y = apply(act.forward(z), None, pc.centred[2], pc.centred[3], None if buf is None else z)
         request = stats.request
-        with torch.no_grad():
-            if stats.update is not None:
-                stats.update(request.stat_mean, request.stat_var)
-            if request.nbt is not None:
-                request.nbt.add_(1)
+        # no no_grad needed: the buffers and the first stage's values (made under no_grad) carry no grad
+        if stats.update is not None:
+            stats.update(request.stat_mean, request.stat_var)
+        if request.nbt is not None:
+            request.nbt.add_(1)
         return (y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)), pc
 
     @staticmethod

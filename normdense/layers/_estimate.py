@@ -72,7 +72,7 @@ class _Iteration:
     moments of its calls so far, and (with sync) each call's local and all-reduced sums for a recomputation."""
 
     def __init__(self, token, base, rate):
-        self.token, self.base, self.mean, self.var, self.rate = token, base, base[0], base[1], rate
+        self.token, self.base, self.rate = token, base, rate
         self.total = None  # (moments (2, C), count) of the calls so far
         self.local, self.synced = [], []
 
@@ -129,7 +129,7 @@ class Estimates:
         st, backward = self.begin(buffers, rate)
         with torch.no_grad():
             count = m.shape[0] * positions
-            moments = estimate_moments(m, v, st.mean) if count else st.base.to(m.dtype) * 0
+            moments = estimate_moments(m, v, st.base[0]) if count else st.base.to(m.dtype) * 0
             if sync and world_size() > 1:
                 moments, count = self._all_reduced(st, moments, count, backward)
             call = estimate_step(st.base, moments, _rate(st.rate, count, moments.dtype))

@@ -13,9 +13,9 @@ activation), where dm, dv and the parameter gradients are the layer's closed-for
 Calls go one way: the layer's forward calls the engine once, the engine asks the layer for data, the backend
 (``kernels/backend.py``'s contract) for passes and its ``Estimates`` for the iteration's bookkeeping. docs/engine.md.
 """
-import dataclasses
+import contextlib
 import math
-from typing import Any, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,9 +38,19 @@ def _triton():
 
 _BACKENDS = {'aten': lambda: AtenBackend, 'triton': _triton}
 
+# torch >= 2.4 asks per device type; before, a context is always entered (as it always was)
+_autocast_on = torch.is_autocast_enabled if hasattr(torch, 'get_autocast_dtype') else lambda device_type: True
 
-@dataclasses.dataclass(frozen=True)
-class _Call:
+
+def _no_autocast(device_type: str):
+    """Autocast off for ``device_type``: ``torch.autocast(enabled=False)`` where it is on, else nothing (entering
+    one costs about 6 us, twice a training step)."""
+    if _autocast_on(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+class _Call(NamedTuple):  # a NamedTuple: a frozen dataclass's __init__ costs 3x more per call
     """What the Function's forward and backward need of one call besides tensors."""
     backend: Any  # a kernels.backend.Backend
     maps: tuple  # (coeff_map, coeff_vjp) of the backend's kind
@@ -129,7 +139,10 @@ class StatNorm2d(nn.Module):
     @staticmethod
     def stat_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
         """The compute dtype of statistics over ``tensors``: float64 if any is float64, else float32."""
-        return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+        for t in tensors:  # a loop, not any(generator): once per call, half the host time
+            if t is not None and t.dtype == torch.float64:
+                return torch.float64
+        return torch.float32
 
     @staticmethod
     def compute_input(x: torch.Tensor) -> torch.Tensor:
@@ -214,7 +227,7 @@ class StatNorm2d(nn.Module):
         shape = x.shape
         params = tuple(self._statnorm_params())
         cd, out_dtype = self.stat_dtype(x, *params), self._output_dtype(x)
-        with torch.autocast(x.device.type, enabled=False):
+        with _no_autocast(x.device.type):
             x3 = x.reshape(shape[0], shape[1], -1)
             if x3.dtype != cd and x3.dtype not in _HALF:
                 x3 = x3.to(cd)  # e.g. float32 x with float64 parameters
@@ -235,12 +248,13 @@ class StatNorm2d(nn.Module):
             else:
                 y = _StatNormFn.apply(x3, call, stats, *params)
         if step is not None:  # after the kernels: the iteration's total
-            self._estimates.end(step, stats.moved, x3.shape[0] * x3.shape[2], self._buffers3())
+            it, buffers = step
+            self._estimates.end(it, stats.moved, x3.shape[0] * x3.shape[2], buffers)
         return self._watch(_reshaped_base(y, shape) if not needs_grad else y.view(shape))
 
     def _first_stage(self, be, x3):
-        """(x3 as the backend reads it, :class:`Statistics`, kind, count, the open iteration to close after the
-        kernels or None)."""
+        """(x3 as the backend reads it, :class:`Statistics`, kind, count, (the open iteration, the buffers) to close
+        after the kernels or None)."""
         if not self._FIRST_STAGE:
             return (*be.first_stage(x3, StatsRequest()), 'none', None, None)
         rm, rv, nbt = self._buffers3()
@@ -257,7 +271,7 @@ class StatNorm2d(nn.Module):
             it, backward = self._estimates.begin((rm, rv, nbt), self._rate, deferred=True)
             first = it.total is None and not backward
             request = StatsRequest(STATS_ESTIMATE, rm, rv, it.base, it.rate, write=first, nbt=nbt if first else None)
-            return (*be.first_stage(x3, request), 'fixed', None, None if backward else it)
+            return (*be.first_stage(x3, request), 'fixed', None, None if backward else (it, (rm, rv, nbt)))
         backward = in_backward()  # a checkpoint's recomputation: the forward's values, no state change
         request = StatsRequest(STATS_BATCH, rm, rv, momentum=self.momentum, write=not backward,
                                nbt=None if backward else nbt)
@@ -317,22 +331,23 @@ def _backward(ctx, x3, dy):
     if ctx.needs_input_grad[0]:
         batch = (stats.mean, dmean, dvar, 1.0 / x3.shape[0]) if call.kind == 'batch' else None
         dx = be.dx(x3, dy, stats, pc, dm, dv, grads[1], act, batch, state, pending)
-    dparams = [None if d is None or t is None else d.to(t) for d, t in zip(dparams, ctx.param_dtypes)]
+    # d.to(t) costs about 2 us even where it returns d
+    dparams = [None if d is None or t is None else d if d.dtype == t else d.to(t)
+               for d, t in zip(dparams, ctx.param_dtypes)]
     return dx, dparams
 
 
 def _backward_or_fallback(ctx, dy):
     x3, = ctx.saved_tensors
     be = ctx.call.backend
-    with torch.autocast(x3.device.type, enabled=False):
+    with _no_autocast(x3.device.type):
         dy = be.grad_layout(dy.reshape(x3.shape), x3)  # dy may be expanded (the grad of a sum); once for both passes
         try:
             with be.guard(x3):  # autograd may run the backward with another device current
                 return _backward(ctx, x3, dy)
         except be.compile_errors() as e:  # a backward kernel failed to compile: ATen, from the same statistics
             give_up_triton(ctx.call.option, e)
-            ctx.call = call = dataclasses.replace(ctx.call, backend=AtenBackend, maps=ctx.call.torch_maps,
-                                                  kernel_maps=False)
+            ctx.call = call = ctx.call._replace(backend=AtenBackend, maps=ctx.call.torch_maps, kernel_maps=False)
             stats = ctx.stats
             coeffs, ctx.res = call.maps[0](stats.m, stats.v, stats.mean, stats.var, ctx.params, x3.shape[2],
                                            call.count)

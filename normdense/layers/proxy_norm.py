@@ -67,7 +67,7 @@ def coeff_map(cfg, m, v, mean, var, params, positions, count):
     B = beta + A (m - mu_g); per channel K = 1 / sqrt(Var[phi(gamma Y + beta)] + eps_pn), L = -E[...] K. Pure."""
     weight, bias, proxy_beta, proxy_gamma = params
     dtype = m.dtype
-    w, b = weight.to(dtype), bias.to(dtype)
+    w, b = (p if p.dtype == dtype else p.to(dtype) for p in (weight, bias))  # .to: 2 us even where a no-op
     n, c = m.shape
     g = cfg.num_groups
     per = c // g
@@ -78,7 +78,8 @@ def coeff_map(cfg, m, v, mean, var, params, positions, count):
     b3 = torch.addcmul(b.view(g, per), a3, d)
     q = _cached_quantiles(cfg.num_samples, dtype, m.device)
     if cfg.proxy_affine:
-        y = torch.addcmul(proxy_beta.to(dtype)[:, None], 1 + proxy_gamma.to(dtype)[:, None], q)
+        pb, pg = (p if p.dtype == dtype else p.to(dtype) for p in (proxy_beta, proxy_gamma))
+        y = torch.addcmul(pb[:, None], 1 + pg[:, None], q)
     else:
         y = q.expand(c, -1)
     z = torch.addcmul(b[:, None], w[:, None], y)  # (C, n)
