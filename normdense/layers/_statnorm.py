@@ -38,8 +38,13 @@ def _triton():
 
 _BACKENDS = {'aten': lambda: AtenBackend, 'triton': _triton}
 
-# torch >= 2.4 asks per device type; before, a context is always entered (as it always was)
-_autocast_on = torch.is_autocast_enabled if hasattr(torch, 'get_autocast_dtype') else lambda device_type: True
+def _autocast_on(device_type: str) -> bool:
+    if not hasattr(torch, 'get_autocast_dtype'):  # torch < 2.4 cannot ask per device type: always a context
+        return True
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type without autocast (meta): it cannot be on
+        return False
 
 
 def _no_autocast(device_type: str):
