@@ -37,9 +37,11 @@ def _triton():
 
 
 _BACKENDS = {'aten': lambda: AtenBackend, 'triton': _triton}
+_PER_DEVICE_AUTOCAST = hasattr(torch, 'get_autocast_dtype')  # torch >= 2.4 asks autocast per device type
+
 
 def _autocast_on(device_type: str) -> bool:
-    if not hasattr(torch, 'get_autocast_dtype'):  # torch < 2.4 cannot ask per device type: always a context
+    if not _PER_DEVICE_AUTOCAST:  # cannot ask: always a context
         return True
     try:
         return torch.is_autocast_enabled(device_type)
