@@ -146,13 +146,14 @@ def _statistics(m, v, shape, request: StatsRequest):
     """(mean, var, moved, update) of ``request`` from the moments, in torch, under no_grad (the caller's);
     nothing of the module is written."""
     mean = var = moved = update = None
-    mode, stat_mean, stat_var, base, rate, momentum, write, nbt = request
+    mode, stat_mean, stat_var, write = request.mode, request.stat_mean, request.stat_var, request.write
     if mode == STATS_FIXED:  # copies: constants of this call, whatever later calls do to the buffers
         mean, var = stat_mean.to(m.dtype, copy=True), stat_var.to(m.dtype, copy=True)
     elif mode == STATS_ESTIMATE:
+        base = request.base
         if write:  # the iteration's first call: its start is the buffers
             torch.stack([stat_mean, stat_var], out=base)
-        moved, (mean, var) = estimate_update(m, v, base, rate)
+        moved, (mean, var) = estimate_update(m, v, base, request.rate)
         if write:  # the buffers take this call's estimates
             def update(running_mean, running_var):
                 running_mean.copy_(mean)
@@ -162,7 +163,7 @@ def _statistics(m, v, shape, request: StatsRequest):
         d = m - mean
         var = torch.addcmul(v, d, d).mean(0)
         if write:
-            update = tracked(mean, var, shape[0] * shape[2], momentum, nbt)
+            update = tracked(mean, var, shape[0] * shape[2], request.momentum, request.nbt)
     return mean, var, moved, update
 
 

@@ -57,14 +57,10 @@ def triton_error():
     return _STATE['triton'] or None
 
 
-def _choice(layer) -> str:
-    """The layer's option, else the environment's."""
-    return check_backend(getattr(layer, 'backend', None)) or env_backend()
-
-
-def selected_backend(layer, x) -> str:
-    """'aten' or 'triton' for ``layer`` on input ``x``."""
-    choice = _choice(layer)
+def backend_name(option, x) -> str:
+    """'aten' or 'triton' for a layer whose ``backend`` option is ``option`` (None: the environment's) on input
+    ``x``."""
+    choice = check_backend(option) or env_backend()
     if choice == 'aten':
         return 'aten'
     if choice == 'triton':
@@ -79,6 +75,22 @@ def selected_backend(layer, x) -> str:
     if x.is_cuda and _STATE['broken'] is None and triton_error() is None:
         return 'triton'
     return 'aten'
+
+
+def selected_backend(layer, x) -> str:
+    """'aten' or 'triton' for ``layer`` on input ``x``."""
+    return backend_name(getattr(layer, 'backend', None), x)
+
+
+def resolve(option, x):
+    """The backend (a :class:`Backend`) that runs a layer with ``backend`` option ``option`` on input ``x``: the
+    option, else ``$NORMDENSE_BACKEND``, else auto. The engine asks once per layer and input dtype and device
+    (its plan): a changed environment variable is seen by layers and inputs that are new to it."""
+    if backend_name(option, x) == 'aten':
+        from .aten import AtenBackend
+        return AtenBackend
+    from .triton import TritonBackend  # triton imported only when it runs
+    return TritonBackend
 
 
 def device_guard(t):
@@ -119,17 +131,53 @@ def give_up_triton(option, error) -> None:
 def exporting() -> bool:
     """True while a graph is recorded for another runtime (either torch.onnx exporter, torch.export,
     torch.jit.trace): no backend runs then, the layers take their eval form of standard ops."""
-    return torch.onnx.is_in_onnx_export() or torch.jit.is_tracing() or _is_exporting()
+    return _in_onnx_export() or torch._C._is_tracing() or _is_exporting()
+
+
+def _onnx_flag():
+    """A function of no arguments equal to ``torch.onnx.is_in_onnx_export()`` without its two imports a call
+    (torch 2.9+'s flags), or that function itself."""
+    try:
+        from torch.onnx._internal.exporter import _flags
+        from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
+    except ImportError:
+        return torch.onnx.is_in_onnx_export
+    if not hasattr(GLOBALS, 'in_onnx_export') or not hasattr(_flags, '_is_onnx_exporting'):
+        return torch.onnx.is_in_onnx_export
+    return lambda: GLOBALS.in_onnx_export or _flags._is_onnx_exporting
+
+
+def _in_onnx_export() -> bool:
+    global _in_onnx_export
+    _in_onnx_export = _onnx_flag()  # resolved on the first call: importing torch.onnx at import costs 0.5 s
+    return _in_onnx_export()
+
+
+_HAS_IS_EXPORTING = hasattr(torch.compiler, 'is_exporting')  # torch >= 2.5 has it
 
 
 def _is_exporting() -> bool:
-    is_exporting = getattr(torch.compiler, 'is_exporting', None)  # torch >= 2.5 has it
-    return bool(is_exporting and is_exporting())
+    return _HAS_IS_EXPORTING and torch.compiler.is_exporting()
 
 
 if hasattr(torch.compiler, 'assume_constant_result'):
     # run, not traced: before torch 2.12 Dynamo folds is_exporting() to True under torch.compile (pytorch#176347)
     _is_exporting = torch.compiler.assume_constant_result(_is_exporting)
+
+_PER_DEVICE_AUTOCAST = hasattr(torch, 'get_autocast_dtype')  # torch >= 2.4 asks autocast per device type
+
+
+def autocast_on(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` (any torch version; False where that device type has none)."""
+    if _PER_DEVICE_AUTOCAST:
+        try:
+            return torch.is_autocast_enabled(device_type)
+        except RuntimeError:  # a device type without autocast (meta)
+            return False
+    if device_type == 'cpu':
+        return torch.is_autocast_cpu_enabled()
+    return device_type == 'cuda' and torch.is_autocast_enabled()
+
 
 # --- the contract -----------------------------------------------------------------------------------------------
 # The first stage's modes (the Triton stats kernel's MODE): no per-channel statistics (GN+PN); fixed ones (eval:
@@ -151,6 +199,7 @@ class StatsRequest(NamedTuple):
     momentum: Optional[float] = 0.1
     write: bool = False
     nbt: Optional[Tensor] = None
+    key: Optional[tuple] = None
 
 
 class Statistics(NamedTuple):

@@ -16,12 +16,15 @@ samples first (``first_stage.fold``); the VJP one program per (group block[, chu
 per-channel sums over N dx finishes at large N (``common.BlockSums``). A group wider than ``chunk`` channels
 is walked in chunks (passes for the group sums, then the outputs). The VJP recomputes d, r, s.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from .common import CHUNK, BlockSums, group_tiles, rsqrt, sample_blocks, split_args, split_sum
+from .common import CHUNK, BlockSums, cdiv, group_tiles, rsqrt, sample_blocks, split_sum, stacked
 from .first_stage import FOLD_SIZES, fold, fold_args
+from .launch import launcher
 
 _CHANNELS = 128  # channels (whole groups) of a tile when the groups are small
 _TILE = 512  # elements of a [BLOCK_N, BLOCK_G, BLOCK_P] tile (no spills in float64)
@@ -254,6 +257,7 @@ def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_p
         tl.store(db_ptr + ch, tl.sum(acc_db, axis=0, keep_dims=True), mask=cmask)
 
 
+@functools.lru_cache(maxsize=1024)
 def _blocks(n: int, c: int, num_groups: int, vjp: bool = False, chunk: int = CHUNK, tile: int = _TILE):
     """(per, CHUNKED, BLOCK_N, BLOCK_G, BLOCK_P, num_warps) from a fixed menu keyed on the sizes (powers of 2:
     a few compiled variants, none per batch size): ``common.group_tiles`` of ``tile`` elements, groups wider
@@ -268,24 +272,44 @@ def _blocks(n: int, c: int, num_groups: int, vjp: bool = False, chunk: int = CHU
     return per, chunked, block_n, block_g, block_p, num_warps
 
 
+@functools.lru_cache(maxsize=1024)
+def _launch_plan(n: int, c: int, num_groups: int, eps: float, group_affine: bool, vjp: bool, wants_stats: bool,
+                 chunk: int, tile: int):
+    """(per, grid, sample blocks, samples per block, constexprs) of the map's (``vjp`` False) or the VJP's launch:
+    once per configuration and shape."""
+    per, chunked, block_n, block_g, block_p, warps = _blocks(n, c, num_groups, vjp, chunk, tile)
+    consts = {'EPS': float(eps), 'GROUP_AFFINE': bool(group_affine), 'CHUNKED': chunked, 'BLOCK_N': block_n,
+              'BLOCK_G': block_g, 'BLOCK_P': block_p, 'num_warps': warps}
+    if not vjp:
+        return per, (cdiv(num_groups, block_g), cdiv(n, block_n), 1), 1, 0, consts
+    grid = (cdiv(num_groups, block_g), cdiv(per, block_p) if chunked else 1)
+    blocks, n_per = sample_blocks(n, block_n, grid[0] * grid[1])
+    return per, grid + (blocks, ), blocks, n_per, {**consts, 'WANTS_STATS': bool(wants_stats)}
+
+
+_MAP, _VJP = launcher(_bcn_map_kernel), launcher(_bcn_vjp_kernel)
+
+
 def coeff_map(m, v, mean, var, params, positions, count, *, num_groups: int, eps: float, group_affine: bool,
               first=None, chunk: int = CHUNK, tile: int = _TILE):
     """Triton ``normdense.layers.bcn.coeff_map`` (Eq. 40-42), one launch: ((A, B), res) with A, B (N, C) in m's
     dtype. ``positions`` and ``count`` do not enter BCN's map (as in the torch method); ``res`` is the
     inputs, which :func:`coeff_vjp` recomputes the intermediates from. ``first``: the engine's planned first
-    stage (``first_stage.FirstStage``, whose outputs m, v, mean, var are): run in this launch. ``chunk``,
-    ``tile``: :func:`_blocks`'s."""
-    bw, bb, w, b = (p.contiguous() for p in params)
-    m, v, mean, var = m.contiguous(), v.contiguous(), mean.contiguous(), var.contiguous()
+    stage (``first_stage.FirstStage``, whose outputs m, v, mean, var are): run in this launch, its launch-cache
+    key (``first.key``) extended by this launch's. ``chunk``, ``tile``: :func:`_blocks`'s."""
+    bw, bb, w, b = params[0].contiguous(), params[1].contiguous(), params[2].contiguous(), params[3].contiguous()
+    if first is None:  # the planned stage's outputs are contiguous allocations
+        m, v, mean, var = m.contiguous(), v.contiguous(), mean.contiguous(), var.contiguous()
     n, c = m.shape
-    per, chunked, block_n, block_g, block_p, warps = _blocks(n, c, num_groups, chunk=chunk, tile=tile)
-    a_out, b_out = torch.empty_like(m), torch.empty_like(m)
-    grid = (triton.cdiv(num_groups, block_g), triton.cdiv(n, block_n))
+    per, grid, _, _, consts = _launch_plan(n, c, num_groups, eps, group_affine, False, False, chunk, tile)
+    ab = stacked(2, n, c, m)
+    a_out, b_out = ab[0], ab[1]
     fargs, fconst = fold_args(first, m)
-    _bcn_map_kernel[grid](m, v, mean, var, bw, bb, w, b, a_out, b_out, n, c, num_groups, per, *fargs, **fconst,
-                          EPS=float(eps), GROUP_AFFINE=bool(group_affine), CHUNKED=chunked, BLOCK_N=block_n,
-                          BLOCK_G=block_g, BLOCK_P=block_p, num_warps=warps)
-    return (a_out, b_out), (m, v, mean, var, bw, bb, w, b)
+    key = None if first is None or first.key is None else first.key + (
+        n, c, num_groups, eps, group_affine, chunk, tile, bw.dtype, bb.dtype, w.dtype, b.dtype)
+    _MAP(grid, (m, v, mean, var, bw, bb, w, b, a_out, b_out, n, c, num_groups, per, *fargs), {**fconst, **consts},
+         key)
+    return (a_out, b_out), (m, v, mean, var, bw, bb, w, b, key)
 
 
 def coeff_vjp(res, grads, wants_stats, *, num_groups: int, eps: float, group_affine: bool, defer: bool = False,
@@ -296,18 +320,19 @@ def coeff_vjp(res, grads, wants_stats, *, num_groups: int, eps: float, group_aff
     statistics), the parameter gradients in the parameters' dtypes. Many samples run on sample blocks too
     (``common.BlockSums``): ``defer`` returns their partials, dmean, dvar (SB, C) and the ``BlockSums`` in place
     of the parameter gradients, for dx to sum; else they are summed here. ``chunk``, ``tile``: as coeff_map's."""
-    m, v, mean, var, bw, bb, w, b = res
-    ga, gb = (t if t.dim() == 3 else t.contiguous() for t in grads)
+    m, v, mean, var, bw, bb, w, b, key = res
+    ga, gb = grads[0], grads[1]
+    if ga.dim() != 3:  # merged (N, C) sums: any strides
+        ga, gb = ga.contiguous(), gb.contiguous()
     n, c = m.shape
-    per, chunked, block_n, block_g, block_p, warps = _blocks(n, c, num_groups, True, chunk, tile)
-    dm, dv = torch.empty_like(m), torch.empty_like(m)
-    grid = (triton.cdiv(num_groups, block_g), triton.cdiv(per, block_p) if chunked else 1)
-    blocks, n_per = sample_blocks(n, block_n, grid[0] * grid[1])
+    per, grid, blocks, n_per, consts = _launch_plan(n, c, num_groups, eps, group_affine, True, bool(wants_stats),
+                                                    chunk, tile)
+    dmv = stacked(2, n, c, m)
+    dm, dv = dmv[0], dmv[1]
     out = BlockSums(blocks, m, (bw, bb, w, b), wants_stats)
     dbw, dbb, dw, db, dmean, dvar = out.slots
-    _bcn_vjp_kernel[grid + (blocks, )](m, v, mean, var, bw, bb, w, ga, gb, dm, dv, dmean, dvar, dbw, dbb, dw, db,
-                                       n, c, num_groups, per, *split_args(ga), n_per, out.stride, EPS=float(eps),
-                                       GROUP_AFFINE=bool(group_affine), WANTS_STATS=bool(wants_stats),
-                                       CHUNKED=chunked, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_P=block_p,
-                                       num_warps=warps)
+    gsplit, gstride = (ga.shape[0], ga.stride(0)) if ga.dim() == 3 else (1, 0)
+    _VJP(grid, (m, v, mean, var, bw, bb, w, ga, gb, dm, dv, dmean, dvar, dbw, dbb, dw, db, n, c, num_groups, per,
+                gsplit, gstride, n_per, out.stride), consts,
+         None if key is None else key + (bool(wants_stats), ga.dtype, gb.dtype, gsplit > 1))
     return (dm, dv) + out.result(defer)

@@ -5,6 +5,7 @@ sizes are ``do_not_specialize``), the block sizes of the channel-sized coefficie
 Unitization) and the second stage: a VJP's per-sample-block partial sums, which dx adds in a fixed order
 (:func:`finish`: deterministic, no atomics, no launch of its own) or torch does (:meth:`BlockSums.finish`).
 """
+import functools
 import struct
 
 import torch
@@ -21,6 +22,23 @@ MIN_SAMPLES = 16  # samples per tile of a VJP that sample blocks share
 FINISH_BLOCK = tl.constexpr(512)
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv is a constexpr_function in triton 3.7: ~8 Python calls a call on the host
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of 2 >= n (n >= 1), as ``triton.next_power_of_2``."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def stacked(count: int, n: int, c: int, like: torch.Tensor):
+    """``count`` uninitialized (n, c) tensors like ``like``, indexable [0 .. count): one allocation where each
+    starts 16-byte aligned (a pointer's alignment is part of a kernel's specialization), else one each."""
+    if n * c * like.dtype.itemsize & 15:
+        return [like.new_empty((n, c)) for _ in range(count)]
+    return like.new_empty((count, n, c))
+
+
 def acc_dtype(dtype: torch.dtype):
     """The kernels' accumulation dtype: float64 for float64 inputs, else float32."""
     return tl.float64 if dtype == torch.float64 else tl.float32
@@ -31,6 +49,7 @@ def _f32(value: float) -> float:
     return struct.unpack('f', struct.pack('f', value))[0]  # on the host: no tensor, no operator
 
 
+@functools.lru_cache(maxsize=1024)
 def hi_lo(value: float):
     """``value`` as the float32 pair (hi, lo) for :func:`from_hi_lo`."""
     hi = _f32(value)
@@ -78,7 +97,7 @@ def vector_width(*tensors) -> int:
 
 def cl_blocks(c: int, dtype_size: int):
     """(BLOCK_C, BLOCK_L) of a CL tile of ~1024 elements (512 in float64), at most 64 channels."""
-    block_c = min(triton.next_power_of_2(max(c, 1)), 64)
+    block_c = min(next_pow2(max(c, 1)), 64)
     return block_c, max(1, (512 if dtype_size == 8 else 1024) // block_c)
 
 
@@ -137,13 +156,13 @@ def group_tiles(n: int, groups: int, per: int, channels: int, tile: int, chunk: 
     """(CHUNKED, BLOCK_N, BLOCK_G, BLOCK_P) of [BLOCK_N, BLOCK_G, BLOCK_P] tiles of (sample, group, channel in
     group) of ``groups`` groups of ``per`` channels: whole groups, up to ``channels`` channels and ``tile``
     elements, or (CHUNKED) one group walked in chunks of ``chunk`` channels; a VJP's spread (:func:`spread`)."""
-    bp = triton.next_power_of_2(per)
+    bp = next_pow2(per)
     chunked = bp > chunk
     if chunked:
         bp, bg = chunk, 1
     else:
-        bg = max(1, min(triton.next_power_of_2(groups), channels // bp))
-    bn = min(triton.next_power_of_2(n), max(1, tile // (bg * bp)))
+        bg = max(1, min(next_pow2(groups), channels // bp))
+    bn = min(next_pow2(n), max(1, tile // (bg * bp)))
     if vjp and not chunked:
         bn, bg = spread(n, groups, bn, bg, bp, tile)
     return chunked, bn, bg, bp
@@ -154,12 +173,12 @@ def spread(n: int, groups: int, block_n: int, block_g: int, block_p: int, tile: 
     min(groups, VJP_PROGRAMS) programs share the work, and tiles of fewer samples (at least MIN_SAMPLES)
     where the group programs alone are fewer than PROGRAMS, so that sample blocks make up the rest.
     Detection's N = 1-2 is unchanged."""
-    if triton.cdiv(n, block_n) <= 1:
+    if cdiv(n, block_n) <= 1:
         return block_n, block_g
     cap = 1 << max(0, (groups // VJP_PROGRAMS).bit_length() - 1)  # the largest power of 2 <= groups / VJP_PROGRAMS
     block_g = max(1, min(block_g, cap))
-    block_n = min(triton.next_power_of_2(n), max(1, tile // (block_g * block_p)))
-    want = triton.cdiv(PROGRAMS, triton.cdiv(groups, block_g))  # sample blocks wanted
+    block_n = min(next_pow2(n), max(1, tile // (block_g * block_p)))
+    want = cdiv(PROGRAMS, cdiv(groups, block_g))  # sample blocks wanted
     if want > 1 and n // want > 0:
         block_n = min(block_n, max(MIN_SAMPLES, 1 << ((n // want).bit_length() - 1)))
     elif want > 1:
@@ -170,10 +189,10 @@ def spread(n: int, groups: int, block_n: int, block_g: int, block_p: int, tile: 
 def sample_blocks(n: int, block_n: int, programs: int):
     """(SB, n_per): the sample blocks of a VJP whose other grid axes have ``programs`` programs (about PROGRAMS
     in all), and samples per block (a multiple of block_n): a grid size and a runtime integer."""
-    iters = triton.cdiv(n, block_n)
-    sb = max(1, min(iters, triton.cdiv(PROGRAMS, max(1, programs))))
-    n_per = triton.cdiv(iters, sb) * block_n
-    return triton.cdiv(n, n_per), n_per
+    iters = cdiv(n, block_n)
+    sb = max(1, min(iters, cdiv(PROGRAMS, max(1, programs))))
+    n_per = cdiv(iters, sb) * block_n
+    return cdiv(n, n_per), n_per
 
 
 # --- the second stage ------------------------------------------------------------------------------------------
@@ -188,17 +207,18 @@ class BlockSums(PendingSums):
     def __init__(self, blocks: int, m: torch.Tensor, params, stats: bool):
         c = m.shape[1]
         self.blocks, self.done = blocks, blocks == 1
-        live = [p for p in params if p is not None]
-        sizes = [0 if p is None else p.numel() for p in params]
-        self.size = sum(sizes)  # the parameter gradients' columns, then dmean's and dvar's
-        self.width = self.size + (2 * c if stats else 0)
         if blocks == 1:  # final values, written in the parameters' dtypes by the kernel: no cast launch
             self.params = [None if p is None else torch.empty_like(p) for p in params]
-            self.stats = (m.new_empty(c), m.new_empty(c)) if stats else (None, None)
+            st = m.new_empty(2, c) if stats else None
+            self.stats = (st[0], st[1]) if stats else (None, None)
             self.stride = 0
             self.part = self.out = None
-            slots = list(self.params) + list(self.stats)
+            slots = self.params + list(self.stats)
         else:  # partials in the compute dtype; the sums in the parameters' dtype (one if they share it)
+            live = [p for p in params if p is not None]
+            sizes = [0 if p is None else p.numel() for p in params]
+            self.size = sum(sizes)  # the parameter gradients' columns, then dmean's and dvar's
+            self.width = self.size + (2 * c if stats else 0)
             dtypes = {p.dtype for p in live}
             self.part = m.new_empty(blocks, self.width)
             self.out = torch.empty(self.size, dtype=dtypes.pop() if len(dtypes) == 1 else m.dtype, device=m.device)
@@ -210,7 +230,11 @@ class BlockSums(PendingSums):
             self.stats = tuple(self.part[:, self.size + i * c:self.size + (i + 1) * c] for i in range(2)) \
                 if stats else (None, None)
             slots += [None if s is None else s[0] for s in self.stats]
-        spare = next((s for s in slots if s is not None), m)
+        spare = m
+        for s in slots:  # a loop, not next(generator): every backward passes here
+            if s is not None:
+                spare = s
+                break
         self.slots = [spare if s is None else s for s in slots]  # a kernel argument for each (unused if absent)
 
     def result(self, defer: bool):

@@ -11,12 +11,14 @@ cumulative 1 / (tracked + 1)). WRITE: the new running values (upd, (2, C)), whic
 forward's last, copies into the buffers: a kernel failing to compile leaves the module's state as it was.
 Samples are taken in [BLOCK_N, BLOCK_C] tiles; block sizes are keyed on C only: a batch size never recompiles.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from .backend import STATS_BATCH, STATS_ESTIMATE, STATS_NONE
-from .common import acc_dtype, from_hi_lo, hi_lo
+from .common import acc_dtype, cdiv, from_hi_lo, hi_lo, next_pow2, stacked
 
 
 @triton.jit
@@ -155,10 +157,11 @@ def _stats_kernel(F, N, C, L, CHUNK, SPLIT, WRITE, MODE: tl.constexpr, CUMULATIV
     channel_stats(F, N, C, L, CHUNK, SPLIT, WRITE, ch, ch < C, 0, N, 1, MODE, CUMULATIVE, BLOCK_N, ACC)
 
 
+@functools.lru_cache(maxsize=256)
 def stat_blocks(c: int, dtype=torch.float32):
     """(BLOCK_N, BLOCK_C) of the first stage's tiles: keyed on C and the compute dtype only, <= 512 elements
     (128 in float64: no spills in the map kernels)."""
-    block_c = min(triton.next_power_of_2(max(c, 1)), 128)
+    block_c = min(next_pow2(max(c, 1)), 128)
     return max(1, (128 if dtype == torch.float64 else 512) // block_c), block_c
 
 
@@ -170,28 +173,44 @@ class FirstStage:
     WRITE), integers kept out of the tuple (Triton specializes a tuple's integers, do_not_specialize or not)."""
 
     def __init__(self, part, split, chunk, shape, mode=STATS_NONE, stat_mean=None, stat_var=None, base=None,
-                 rate=0.0, momentum=0.1, write=False, nbt=None):
+                 rate=0.0, momentum=0.1, write=False, nbt=None, key=None):
         n, c, length = shape
         dt, dev = part.dtype, part.device
-        m, v = torch.empty(n, c, dtype=dt, device=dev), torch.empty(n, c, dtype=dt, device=dev)
-        mean = var = moved = None
-        if mode != STATS_NONE:
+        mv = stacked(2, n, c, part)  # part: the compute dtype and device
+        m, v = mv[0], mv[1]
+        mean = var = moved = upd = None
+        if mode != STATS_NONE and c * dt.itemsize & 15:  # rows not 16-byte aligned: one allocation each
             mean, var = torch.empty(c, dtype=dt, device=dev), torch.empty(c, dtype=dt, device=dev)
-        if mode == STATS_ESTIMATE:
-            moved = torch.empty(2, c, dtype=dt, device=dev)
-        upd = torch.empty(2, c, dtype=dt, device=dev) if write else None
+            moved = torch.empty(2, c, dtype=dt, device=dev) if mode == STATS_ESTIMATE else None
+            upd = torch.empty(2, c, dtype=dt, device=dev) if write else None
+        elif mode != STATS_NONE:  # mean, var (C,), then ESTIMATE's moved and the update (2, C): one allocation
+            rows = 2 + (2 if mode == STATS_ESTIMATE else 0) + (2 if write else 0)
+            per = torch.empty(rows, c, dtype=dt, device=dev)
+            mean, var = per[0], per[1]
+            moved = per[2:4] if mode == STATS_ESTIMATE else None
+            upd = per[rows - 2:] if write else None
+        elif write:
+            upd = torch.empty(2, c, dtype=dt, device=dev)
         self.outputs = (m, v, mean, var, moved, upd)
         self.mode, self.cumulative = mode, mode == STATS_BATCH and momentum is None
         self.shape, self.dtype, self.acc = (n, c, length), dt, acc_dtype(dt)
-        ptrs = [m if t is None else t for t in (mean, var, stat_mean, stat_var, base, moved, upd, nbt)]  # unused: m
-        self.args = (part, m, v, *ptrs, *hi_lo(rate), *hi_lo(0.0 if momentum is None else momentum))
+        f = m  # the unused pointers' stand-in (no generator: this runs on every training call)
+        self.args = (part, m, v, f if mean is None else mean, f if var is None else var,
+                     f if stat_mean is None else stat_mean, f if stat_var is None else stat_var,
+                     f if base is None else base, f if moved is None else moved, f if upd is None else upd,
+                     f if nbt is None else nbt, *hi_lo(rate), *hi_lo(0.0 if momentum is None else momentum))
         self.sizes = (length, chunk, split, int(bool(write)))
+        # what the fold's arguments add to a map kernel's launch-cache key (their dtypes; shapes are the map's)
+        self.key = None if key is None else key + (
+            mode, self.cumulative, dt, None if stat_mean is None else stat_mean.dtype,
+            None if stat_var is None else stat_var.dtype, None if base is None else base.dtype,
+            None if nbt is None else nbt.dtype)
 
     def launch(self):
         """The standalone stats kernel: one program per block of channels."""
         n, c, _ = self.shape
         block_n, block_c = stat_blocks(c, self.dtype)
-        _stats_kernel[(triton.cdiv(c, block_c), )](self.args, n, c, *self.sizes, MODE=self.mode,
+        _stats_kernel[(cdiv(c, block_c), )](self.args, n, c, *self.sizes, MODE=self.mode,
                                                    CUMULATIVE=self.cumulative, BLOCK_N=block_n, BLOCK_C=block_c,
                                                    ACC=self.acc)
         return self.outputs

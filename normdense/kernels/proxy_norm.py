@@ -16,13 +16,16 @@ the proxy moments in [BLOCK_G, BLOCK_P, BLOCK_S] tiles of the quantiles, recompu
 The float configuration (eps, proxy_eps, the activation's parameters) is ``tl.constexpr``: a runtime float
 argument is float32 on the GPU and would round them in float64 computations.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from .activations import act_args, act_forward, act_grad
-from .common import CHUNK, BlockSums, group_tiles, rsqrt, sample_blocks, split_args, split_sum
+from .common import CHUNK, BlockSums, cdiv, group_tiles, next_pow2, rsqrt, sample_blocks, split_sum, stacked
 from .first_stage import FOLD_SIZES, fold, fold_args
+from .launch import launcher
 
 __all__ = ['coeff_map', 'coeff_vjp']
 
@@ -45,8 +48,8 @@ def _blocks(n: int, groups: int, per: int, samples: int, vjp: bool = False, dtyp
     chunked, bn, bg, bp = group_tiles(n, groups, per, _CHANNELS, tile, chunk, vjp)
     if chunked:  # at least 2 samples per tile, as BCN's
         bn = max(2, bn)
-    bs = max(1, min(triton.next_power_of_2(samples), _proxy_tile(dtype, vjp, chunked) // (bg * bp)))
-    shrunk = vjp and bn * bg * bp < tile and triton.cdiv(n, bn) > 1  # a VJP tile shrunk for sample blocks
+    bs = max(1, min(next_pow2(samples), _proxy_tile(dtype, vjp, chunked) // (bg * bp)))
+    shrunk = vjp and bn * bg * bp < tile and cdiv(n, bn) > 1  # a VJP tile shrunk for sample blocks
     return chunked, bn, bg, bp, bs, 4 if shrunk else 8
 
 
@@ -293,20 +296,50 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
         tl.store(dpg_ptr + out, w * dy_q, mask=cmask)
 
 
-def _config(m, num_groups, num_samples, act, act_kwargs, chunk, tile):
-    n, c = m.shape
+@functools.lru_cache(maxsize=1024)
+def _plan(n, c, num_groups, num_samples, act_id, p0, p1, dtype, chunk, tile, eps, proxy_eps, proxy_scaling,
+          proxy_affine):
+    """(per, (grid, constexprs) of the map, (grid with sample blocks, samples per block, constexprs) of the VJP):
+    once per configuration and shape."""
     if c % num_groups:
         raise ValueError(f'GN+PN kernels: num_groups={num_groups} does not divide C={c}')
     per = c // num_groups
-    act_id, p0, p1 = act_args(act, act_kwargs)
-    grids, blocks = [], []
+    fixed = {'EPS': float(eps), 'PROXY_EPS': float(proxy_eps), 'AFFINE': bool(proxy_affine),
+             'SCALING': bool(proxy_scaling), 'ACT': act_id, 'P0': p0, 'P1': p1}
+    out = [per]
     for vjp in (False, True):  # the map's, then the VJP's (spread over more programs for many samples)
-        chunked, bn, bg, bp, bs, warps = _blocks(n, num_groups, per, num_samples, vjp, m.dtype, chunk, tile)
-        groups = triton.cdiv(num_groups, bg)
-        grids.append((groups, triton.cdiv(per, bp) if chunked else 1) if vjp else (groups, triton.cdiv(n, bn)))
-        blocks.append(dict(ACT=act_id, P0=p0, P1=p1, CHUNKED=chunked, BLOCK_N=bn, BLOCK_G=bg, BLOCK_P=bp,
-                           BLOCK_S=bs, num_warps=warps))
-    return n, c, per, grids, blocks
+        chunked, bn, bg, bp, bs, warps = _blocks(n, num_groups, per, num_samples, vjp, dtype, chunk, tile)
+        groups = cdiv(num_groups, bg)
+        consts = {**fixed, 'CHUNKED': chunked, 'BLOCK_N': bn, 'BLOCK_G': bg, 'BLOCK_P': bp, 'BLOCK_S': bs,
+                  'num_warps': warps}
+        if vjp:
+            grid = (groups, cdiv(per, bp) if chunked else 1)
+            sb, n_per = sample_blocks(n, bn, grid[0] * grid[1])
+            out.append((grid + (sb, ), sb, n_per, consts))
+        else:
+            out.append(((groups, cdiv(n, bn), 1), consts))
+    return out
+
+
+def _config(m, num_groups, quantiles, act, act_kwargs, chunk, tile, eps, proxy_eps, proxy_scaling, proxy_affine):
+    n, c = m.shape
+    act_id, p0, p1 = _act_ids(act, act_kwargs)
+    return _plan(n, c, num_groups, quantiles.numel(), act_id, p0, p1, m.dtype, chunk, tile, eps, proxy_eps,
+                 proxy_scaling, proxy_affine)
+
+
+_ACT_IDS = {}  # (name, kwargs items) -> act_args: read per call
+
+
+def _act_ids(act, act_kwargs):
+    key = (act, *act_kwargs.items())
+    ids = _ACT_IDS.get(key)
+    if ids is None:
+        ids = _ACT_IDS[key] = act_args(act, act_kwargs)
+    return ids
+
+
+_MAP, _VJP = launcher(_coeff_map_kernel), launcher(_coeff_vjp_kernel)
 
 
 def coeff_map(m, v, mean, var, params, positions, count, *, num_groups, eps, act, act_kwargs, proxy_eps,
@@ -314,19 +347,24 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups, eps, act
     """``normdense.layers.proxy_norm.coeff_map`` in one launch: ((A, B, K, L), residuals), each coefficient (N, C)
     in m's dtype. ``quantiles`` are the proxy samples q (num_samples,) (the layer's cached quantiles); ``mean``,
     ``var``, ``positions`` and ``count`` are unused (GN+PN has no first stage). ``first``: the engine's planned
-    moments merge (``first_stage.FirstStage``, whose outputs m, v are): run in this launch. ``chunk``,
-    ``tile``: :func:`_blocks`'s."""
+    moments merge (``first_stage.FirstStage``, whose outputs m, v are): run in this launch, its launch-cache
+    key extended by this launch's. ``chunk``, ``tile``: :func:`_blocks`'s."""
     weight, bias, proxy_beta, proxy_gamma = params
-    m, v = m.contiguous(), v.contiguous()
-    n, c, per, (grid, _), (blocks, _) = _config(m, num_groups, quantiles.numel(), act, act_kwargs, chunk, tile)
-    a, b, k, l_ = (torch.empty_like(m) for _ in range(4))
+    if first is None:  # the planned stage's outputs are contiguous allocations
+        m, v = m.contiguous(), v.contiguous()
+    per, (grid, consts), _ = _config(m, num_groups, quantiles, act, act_kwargs, chunk, tile, eps, proxy_eps,
+                                     proxy_scaling, proxy_affine)
+    n, c = m.shape
+    out = stacked(4, n, c, m)
+    a, b, k, l_ = out[0], out[1], out[2], out[3]
     pb, pg = (proxy_beta, proxy_gamma) if proxy_affine else (weight, weight)  # not read without proxy_affine
     fargs, fconst = fold_args(first, m)
-    _coeff_map_kernel[grid](m, v, weight, bias, pb, pg, quantiles, a, b, k, l_, n, c, num_groups, per,
-                            quantiles.numel(), *fargs, **fconst, EPS=float(eps), PROXY_EPS=float(proxy_eps),
-                            AFFINE=bool(proxy_affine),
-                            SCALING=bool(proxy_scaling), **blocks)
-    return (a, b, k, l_), (m, v, params, quantiles)
+    key = None if first is None or first.key is None else first.key + (
+        n, c, num_groups, quantiles.numel(), consts['ACT'], consts['P0'], consts['P1'], chunk, tile, eps, proxy_eps,
+        proxy_scaling, proxy_affine, weight.dtype, bias.dtype, pb.dtype, pg.dtype, quantiles.dtype)
+    _MAP(grid, (m, v, weight, bias, pb, pg, quantiles, a, b, k, l_, n, c, num_groups, per, quantiles.numel(),
+                *fargs), {**fconst, **consts}, key)
+    return (a, b, k, l_), (m, v, params, quantiles, key)
 
 
 def coeff_vjp(res, grads, wants_stats, *, num_groups, eps, act, act_kwargs, proxy_eps, proxy_scaling,
@@ -337,18 +375,21 @@ def coeff_vjp(res, grads, wants_stats, *, num_groups, eps, act, act_kwargs, prox
     parameter gradients in the parameters' dtypes. Many samples run on sample blocks too: ``defer`` returns a
     ``common.BlockSums`` of their partials in place of the parameter gradients, for dx to sum. ``chunk``,
     ``tile``: as coeff_map's."""
-    m, v, params, quantiles = res
+    m, v, params, quantiles, key = res
     weight, bias, proxy_beta, proxy_gamma = params
     ga, gb, gk, gl = grads
-    n, c, per, (_, grid), (_, blocks) = _config(m, num_groups, quantiles.numel(), act, act_kwargs, chunk, tile)
-    dm, dv = torch.empty_like(m), torch.empty_like(m)
-    sb, n_per = sample_blocks(n, blocks['BLOCK_N'], grid[0] * grid[1])
+    per, _, (grid, sb, n_per, consts) = _config(m, num_groups, quantiles, act, act_kwargs, chunk, tile, eps,
+                                                proxy_eps, proxy_scaling, proxy_affine)
+    n, c = m.shape
+    dmv = stacked(2, n, c, m)
+    dm, dv = dmv[0], dmv[1]
     out = BlockSums(sb, m, (weight, bias) + ((proxy_beta, proxy_gamma) if proxy_affine else (None, None)), False)
     dw, db, dpb, dpg = out.slots[:4]
     pb, pg = (proxy_beta, proxy_gamma) if proxy_affine else (weight, weight)
-    strides = [s for g in (ga, gb, gk, gl) for s in g.stride()[-2:]]  # (n, c) strides; the chunks' is shared
-    _coeff_vjp_kernel[grid + (sb, )](m, v, weight, bias, pb, pg, quantiles, ga, gb, gk, gl, *strides, dm, dv, dw, db,
-                                     dpb, dpg, n, c, num_groups, per, quantiles.numel(), *split_args(ga), n_per,
-                                     out.stride, EPS=float(eps), PROXY_EPS=float(proxy_eps),
-                                     AFFINE=bool(proxy_affine), SCALING=bool(proxy_scaling), **blocks)
+    strides = (*ga.stride()[-2:], *gb.stride()[-2:], *gk.stride()[-2:], *gl.stride()[-2:])  # (n, c); chunks' shared
+    gsplit, gstride = (ga.shape[0], ga.stride(0)) if ga.dim() == 3 else (1, 0)
+    # the strides are specialized integers (1, multiples of 16): part of the key
+    _VJP(grid, (m, v, weight, bias, pb, pg, quantiles, ga, gb, gk, gl, *strides, dm, dv, dw, db, dpb, dpg, n, c,
+                num_groups, per, quantiles.numel(), gsplit, gstride, n_per, out.stride), consts,
+         None if key is None else key + (strides, ga.dtype, gb.dtype, gk.dtype, gl.dtype))
     return (dm, dv) + out.result(defer)

@@ -13,18 +13,23 @@ size never recompiles a kernel); the constexpr variants: layout, vector width V,
 The module's state changes (estimates, running statistics, num_batches_tracked) happen in the forward's last
 kernel (apply), so a kernel failing to compile under backend 'auto' leaves the module as it was. Imports no
 layer."""
+from typing import NamedTuple
+
 import torch
-import triton
 
 from .activations import act_args
 from .backend import Statistics, StatsRequest, compile_errors, device_guard
-from .common import FINISH_BLOCK, acc_dtype, cl_blocks, hi_lo, vector_width
+from .common import FINISH_BLOCK, acc_dtype, cdiv, cl_blocks, hi_lo
 from .first_stage import FirstStage
+from .launch import launcher
 from .passes import _apply_kernel, _dx_kernel, _merge_kernel, _moments_kernel, _sums_kernel
 
 ACT_NONE = -1  # y = A t + B, no activation
+_NO_ACT = (ACT_NONE, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)  # (id, p0 hi, lo, p1 hi, lo) and the raw p0, p1
 
 _TARGET_PROGRAMS = 1024  # enough programs to fill an H100's 132 SMs several times over
+_MOMENTS, _APPLY, _SUMS, _MERGE, _DX = (launcher(k) for k in (_moments_kernel, _apply_kernel, _sums_kernel,
+                                                               _merge_kernel, _dx_kernel))
 
 
 def block_for(dtype: torch.dtype) -> int:
@@ -34,10 +39,10 @@ def block_for(dtype: torch.dtype) -> int:
 def split_for(rows: int, length: int, block: int, split=None):
     """(SPLIT, CHUNK): how many programs share a row and how many positions each takes; ``split``: this many
     chunks per row (at most one per tile) instead of enough programs to fill the GPU."""
-    tiles = triton.cdiv(length, block)
-    split = max(1, min(tiles, split or triton.cdiv(_TARGET_PROGRAMS, max(rows, 1))))
-    chunk = triton.cdiv(tiles, split) * block
-    return triton.cdiv(length, chunk), chunk
+    tiles = cdiv(length, block)
+    split = max(1, min(tiles, split or cdiv(_TARGET_PROGRAMS, max(rows, 1))))
+    chunk = cdiv(tiles, split) * block
+    return cdiv(length, chunk), chunk
 
 
 def channels_last(x3: torch.Tensor) -> bool:
@@ -45,143 +50,226 @@ def channels_last(x3: torch.Tensor) -> bool:
     return not x3.is_contiguous() and x3.transpose(1, 2).is_contiguous()
 
 
+def read_layout(x3: torch.Tensor):
+    """(x3 as the passes read it, channels_last): x3 itself if NCL or CL, else a contiguous copy."""
+    if x3.is_contiguous():
+        return x3, False
+    if x3.transpose(1, 2).is_contiguous():
+        return x3, True
+    return x3.contiguous(), False
+
+
 def as_read(x3: torch.Tensor) -> torch.Tensor:
     """x3 itself when the passes read its layout (NCL or CL), else a contiguous copy."""
-    return x3 if x3.is_contiguous() or channels_last(x3) else x3.contiguous()
+    return read_layout(x3)[0]
 
 
-def like(t: torch.Tensor, x3: torch.Tensor) -> torch.Tensor:
-    """t (x3's shape) in x3's layout: dy as the passes read it alongside x3 (a copy only if it differs)."""
-    if channels_last(x3):
+def like(t: torch.Tensor, x3: torch.Tensor, cl=None) -> torch.Tensor:
+    """t (x3's shape) in x3's layout: dy as the passes read it alongside x3 (a copy only if it differs);
+    ``cl``: x3's layout, if known."""
+    if channels_last(x3) if cl is None else cl:
         return t if channels_last(t) or t.transpose(1, 2).is_contiguous() else \
             t.transpose(1, 2).contiguous().transpose(1, 2)
     return t.contiguous()
 
 
+class Geometry(NamedTuple):
+    """A pass's launch over x3: grid (3 axes), CHUNK and the constexprs."""
+    grid: tuple
+    chunk: int
+    block: int
+    block_c: int
+    v: int
+    cl: bool
+    small: bool
+
+
+_GEOMETRY = {}  # (N, C, L, CL, x3's dtype, narrowest element size, split) -> Geometry: once per shape
+
+
+def geometry(n: int, c: int, length: int, cl: bool, dtype: torch.dtype, narrowest: int, split=None) -> Geometry:
+    """The :class:`Geometry` of a pass over x3 (N, C, L) of ``dtype`` in layout ``cl`` whose activation tensors'
+    narrowest element has ``narrowest`` bytes; ``split``: as :func:`split_for`."""
+    key = (n, c, length, cl, dtype, narrowest, split)
+    g = _GEOMETRY.get(key)
+    if g is None:
+        g = _GEOMETRY[key] = _geometry(*key)
+    return g
+
+
+def _geometry(n, c, length, cl, dtype, narrowest, split):
+    vec = 16 // narrowest  # V lanes of the narrowest dtype are 16 bytes (common.vector_width)
+    if cl:
+        block_c, block = cl_blocks(c, dtype.itemsize)
+        groups = n * cdiv(c, block_c)
+        split, chunk = split_for(groups, length, block, split)
+        return Geometry((groups, split, 1), chunk, block, block_c, vec if c % vec == 0 else 1, True, False)
+    block = block_for(dtype)
+    split, chunk = split_for(n * c, length, block, split)
+    vec = vec if (n * c * length) % vec == 0 else 1
+    return Geometry((n * c, split, 1), chunk, block, 1, vec, False, length < vec)
+
+
+def _geom(x3, cl, *others, split=None):
+    n, c, length = x3.shape
+    size = x3.dtype.itemsize
+    for t in others:
+        size = min(size, t.dtype.itemsize)
+    return geometry(n, c, length, cl, x3.dtype, size, split)
+
+
 def _plan(x3: torch.Tensor, *others, split=None):
     """Launch geometry of a pass over x3 (read layout) with the activation tensors ``others`` (dy, y):
     dict(grid, CHUNK and the constexprs BLOCK, BLOCK_C, V, CL[, SMALL]); ``split``: as :func:`split_for`."""
-    n, c, length = x3.shape
-    vec = vector_width(x3, *others)
-    if channels_last(x3):
-        block_c, block = cl_blocks(c, x3.element_size())
-        groups = n * triton.cdiv(c, block_c)
-        split, chunk = split_for(groups, length, block, split)
-        return dict(grid=(groups, split), CHUNK=chunk, BLOCK=block, BLOCK_C=block_c,
-                    V=vec if c % vec == 0 else 1, CL=True, SMALL=False)
-    block = block_for(x3.dtype)
-    split, chunk = split_for(n * c, length, block, split)
-    vec = vec if (n * c * length) % vec == 0 else 1
-    return dict(grid=(n * c, split), CHUNK=chunk, BLOCK=block, BLOCK_C=1, V=vec, CL=False, SMALL=length < vec)
+    g = _geom(x3, channels_last(x3), *others, split=split)
+    return dict(grid=g.grid[:2], CHUNK=g.chunk, BLOCK=g.block, BLOCK_C=g.block_c, V=g.v, CL=g.cl, SMALL=g.small)
+
+
+def _key(key, *parts):
+    """A launch's cache key (``launch.Launcher``): the call's (device, ...) prefix and this site's parts, or None
+    (no prefix: the call's tensors were not all 16-byte aligned, or not the engine's call)."""
+    return None if key is None else key + parts
 
 
 # --- forward ------------------------------------------------------------------------------------------------
-def moment_partials(x3: torch.Tensor, split=None):
+def moment_partials(x3: torch.Tensor, split=None, key=None):
     """(partials (SPLIT, 2, N*C): each chunk's mean and centred sum of squares; SPLIT; CHUNK) of x3 (N, C, L);
-    ``split`` (here and below): the chunks per row, as :func:`split_for`."""
-    x3 = as_read(x3)
+    ``split`` (here and below): the chunks per row, as :func:`split_for`; ``key`` (here and below): the
+    engine's launch-cache prefix (``launch.Launcher``), or None."""
+    x3, cl = read_layout(x3)
+    return _moment_partials(x3, cl, split, key)
+
+
+def _moment_partials(x3, cl, split=None, key=None):
     n, c, length = x3.shape
-    rows = n * c
-    plan = _plan(x3, split=split)
+    g = geometry(n, c, length, cl, x3.dtype, x3.dtype.itemsize, split)
     acc = torch.float64 if x3.dtype == torch.float64 else torch.float32
-    split = plan['grid'][1]
-    part = torch.empty(split, 2, rows, dtype=acc, device=x3.device)
-    _moments_kernel[plan['grid']](x3, part, rows, c, length, plan['CHUNK'], BLOCK=plan['BLOCK'],
-                                  BLOCK_C=plan['BLOCK_C'], V=plan['V'], CL=plan['CL'], ACC=acc_dtype(x3.dtype))
-    return part, split, plan['CHUNK']
+    part = torch.empty(g.grid[1], 2, n * c, dtype=acc, device=x3.device)
+    _MOMENTS(g.grid, (x3, part, n * c, c, length, g.chunk),
+             {'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v, 'CL': cl, 'ACC': acc_dtype(x3.dtype)},
+             _key(key, g, x3.shape, x3.dtype))
+    return part, g.grid[1], g.chunk
 
 
-def _act_ids(act):
-    return (ACT_NONE, 0.0, 0.0) if act is None else act
+_ACTS = {}  # id(Activation) -> (activation, its kernel arguments): one Activation object per configuration
 
 
-def apply(x3, m, v, coeffs, act=None, out_dtype=None, write=None, nbt=None, split=None):
+def _act(act):
+    """(ACT, p0 hi, p0 lo, p1 hi, p1 lo, p0, p1) of ``act``: an Activation, the (id, p0, p1) of
+    :func:`normdense.kernels.activations.act_args`, or None."""
+    if act is None:
+        return _NO_ACT
+    if isinstance(act, tuple):
+        return (act[0], *hi_lo(act[1]), *hi_lo(act[2]), act[1], act[2])
+    hit = _ACTS.get(id(act))
+    if hit is None or hit[0] is not act:  # (kept alive in the entry: its id is not reused)
+        ids = act_args(act.name, act.kwargs)
+        hit = _ACTS[id(act)] = (act, (ids[0], *hi_lo(ids[1]), *hi_lo(ids[2]), ids[1], ids[2]))
+    return hit[1]
+
+
+def apply(x3, m, v, coeffs, act=None, out_dtype=None, write=None, nbt=None, split=None, key=None):
     """y (N, C, L) of x3 with the per-(n, c) coefficients (A, B[, K, L']), in x3's layout (NCL or
     channels_last); ``act`` (id, p0, p1) from :func:`normdense.kernels.activations.act_args` or None;
     ``write`` = (upd, running_mean, running_var): the new values to copy into the buffers; ``nbt``: a
     num_batches_tracked to add 1 to."""
-    x3 = as_read(x3)
-    n, c, length = x3.shape
-    act_id, p0, p1 = _act_ids(act)
+    x3, cl = read_layout(x3)
+    return _apply(x3, cl, m, v, coeffs, _act(act), out_dtype, write, nbt, split, key)
+
+
+def _apply(x3, cl, m, v, coeffs, act, out_dtype, write, nbt, split=None, key=None):
+    act_id = act[0]
     y = torch.empty_like(x3, dtype=out_dtype or x3.dtype)
-    plan = _plan(x3, y, split=split)
+    g = _geom(x3, cl, y, split=split)
     a, b = coeffs[0], coeffs[1]
     k, l_ = (coeffs[2], coeffs[3]) if act_id >= 0 else (a, b)
     upd, rm, rv = write if write is not None else (m, m, m)
-    _apply_kernel[plan['grid']](x3, y, m, v, a, b, k, l_, upd, rm, rv, m if nbt is None else nbt, c, length,
-                                plan['CHUNK'], int(write is not None), int(nbt is not None), *hi_lo(p0),
-                                *hi_lo(p1), ACT=act_id, BLOCK=plan['BLOCK'], BLOCK_C=plan['BLOCK_C'],
-                                V=plan['V'], SMALL=plan['SMALL'], CL=plan['CL'], ACC=acc_dtype(x3.dtype))
+    _APPLY(g.grid, (x3, y, m, v, a, b, k, l_, upd, rm, rv, m if nbt is None else nbt, x3.shape[1], x3.shape[2],
+                    g.chunk, int(write is not None), int(nbt is not None), *act[1:5]),
+           {'ACT': act_id, 'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v, 'SMALL': g.small, 'CL': cl,
+            'ACC': acc_dtype(x3.dtype)},
+           _key(key, g, x3.shape, x3.dtype, y.dtype, m.dtype, a.dtype, b.dtype, k.dtype, l_.dtype, act_id,
+                None if write is None else (upd.dtype, rm.dtype, rv.dtype), None if nbt is None else nbt.dtype))
     return y
 
 
 # --- backward -----------------------------------------------------------------------------------------------
-def sums(x3, dy, m, v, coeffs, act=None, merged=True, split=None):
+def sums(x3, dy, m, v, coeffs, act=None, merged=True, split=None, key=None):
     """The gradients of the coefficients: [sum_l g t, sum_l g] (and sum_l dy act(z), sum_l dy with an
     activation), each (N, C) in the coefficients' dtype; a merge launch only when rows are split. ``merged``
     False: each as the chunks' partials (SPLIT, N, C) instead, for kernels that add them as they load them
     (the layers' VJP kernels, :func:`dx`): no merge launch. dy in any floating dtype, in x3's layout (else
     copied into it)."""
-    x3 = as_read(x3)
-    dy = like(dy, x3)
+    x3, cl = read_layout(x3)
+    return _sums(x3, cl, like(dy, x3, cl), m, v, coeffs, _act(act), merged, split, key)
+
+
+def _sums(x3, cl, dy, m, v, coeffs, act, merged=True, split=None, key=None):
     n, c, length = x3.shape
-    act_id, p0, p1 = _act_ids(act)
+    act_id = act[0]
     count = 2 if act_id < 0 else 4
-    plan = _plan(x3, dy, split=split)
-    split = plan['grid'][1]
+    g = _geom(x3, cl, dy, split=split)
+    split = g.grid[1]
     part = torch.empty(split, count, n * c, dtype=m.dtype, device=x3.device)
     a, b = coeffs[0], coeffs[1]
     k = coeffs[2] if act_id >= 0 else a
-    _sums_kernel[plan['grid']](x3, dy, part, m, v, a, b, k, n * c, c, length, plan['CHUNK'], *hi_lo(p0),
-                               *hi_lo(p1), ACT=act_id, BLOCK=plan['BLOCK'], BLOCK_C=plan['BLOCK_C'], V=plan['V'],
-                               CL=plan['CL'], ACC=acc_dtype(x3.dtype))
+    _SUMS(g.grid, (x3, dy, part, m, v, a, b, k, n * c, c, length, g.chunk, *act[1:5]),
+          {'ACT': act_id, 'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v, 'CL': cl, 'ACC': acc_dtype(x3.dtype)},
+          _key(key, g, x3.shape, x3.dtype, dy.dtype, m.dtype, a.dtype, b.dtype, k.dtype, act_id))
     if not merged:
         return [part[:, i].view(split, n, c) for i in range(count)]
     if split > 1:
         out = torch.empty(count, n * c, dtype=m.dtype, device=x3.device)
         size = count * n * c
-        _merge_kernel[(triton.cdiv(size, 1024), )](part, out, size, split, BLOCK=1024)
+        _MERGE((cdiv(size, 1024), 1, 1), (part, out, size, split), {'BLOCK': 1024}, _key(key, 'merge', size, m.dtype))
     else:
         out = part[0]
     return [t.view(n, c) for t in out.unbind(0)]
 
 
 def dx(x3, dy, m, v, coeffs, dm, dv, gsum, act=None, batch=None, finish=None, split=None,
-       finish_block=FINISH_BLOCK.value):
+       finish_block=FINISH_BLOCK.value, key=None):
     """dx (x3's shape, dtype and layout) from the coefficients' VJP (dm, dv) and sum_l g (``gsum``: (N, C), or
     the (SPLIT, N, C) partials of ``sums(merged=False)``, added in the kernel); ``batch``
     = (mean, dmean, dvar, 1 / N) adds the VJP of the (unsynchronized) batch statistics, dmean and dvar (C,) or
     the (SB, C) partials of the VJP's sample blocks (added in the kernel). ``finish``: the VJP's
     ``common.BlockSums`` whose partial parameter gradients this launch sums (if each of its programs can take
     ``finish_block`` columns, else torch sums them first). dy as for :func:`sums`."""
-    x3 = as_read(x3)
-    dy = like(dy, x3)
-    n, c, length = x3.shape
-    act_id, p0, p1 = _act_ids(act)
+    x3, cl = read_layout(x3)
+    return _dx(x3, cl, like(dy, x3, cl), m, v, coeffs, dm, dv, gsum, _act(act), batch, finish, split, finish_block,
+               key)
+
+
+def _dx(x3, cl, dy, m, v, coeffs, dm, dv, gsum, act, batch=None, finish=None, split=None,
+        finish_block=FINISH_BLOCK.value, key=None):
+    act_id = act[0]
     out = torch.empty_like(x3)
-    plan = _plan(x3, dy, split=split)
+    g = _geom(x3, cl, dy, split=split)
     a, b = coeffs[0], coeffs[1]
     k = coeffs[2] if act_id >= 0 else a
     mean, dmean, dvar, scale = batch if batch is not None else (m, m, m, 0.0)
     gsplit, gstride = (gsum.shape[0], gsum.stride(0)) if gsum.dim() == 3 else (1, 0)
     # dmean, dvar: the rows of one BlockSums buffer (one stride) at large N
     bsplit, bstride = (dmean.shape[0], dmean.stride(0)) if batch is not None and dmean.dim() == 2 else (1, 0)
-    src, dst, fin_p, fin_sb, fin_stride = finish.dx_args(plan['grid'][0], finish_block) if finish is not None else (m, m, 0, 1, 0)
-    _dx_kernel[plan['grid']](x3, dy, out, m, v, a, b, k, dm, dv, gsum, mean, dmean, dvar, src, dst, c, length,
-                             plan['CHUNK'], gsplit, gstride, bsplit, bstride, fin_p, fin_sb, fin_stride,
-                             *hi_lo(scale), *hi_lo(p0), *hi_lo(p1), ACT=act_id,
-                             BATCH=batch is not None, BLOCK=plan['BLOCK'], BLOCK_C=plan['BLOCK_C'], V=plan['V'],
-                             SMALL=plan['SMALL'], CL=plan['CL'], ACC=acc_dtype(x3.dtype), FINISH=fin_p > 0)
+    src, dst, fin_p, fin_sb, fin_stride = finish.dx_args(g.grid[0], finish_block) if finish is not None else \
+        (m, m, 0, 1, 0)
+    _DX(g.grid, (x3, dy, out, m, v, a, b, k, dm, dv, gsum, mean, dmean, dvar, src, dst, x3.shape[1], x3.shape[2],
+                 g.chunk, gsplit, gstride, bsplit, bstride, fin_p, fin_sb, fin_stride, *hi_lo(scale), *act[1:5]),
+        {'ACT': act_id, 'BATCH': batch is not None, 'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v,
+         'SMALL': g.small, 'CL': cl, 'ACC': acc_dtype(x3.dtype), 'FINISH': fin_p > 0},
+        _key(key, g, x3.shape, x3.dtype, dy.dtype, m.dtype, a.dtype, b.dtype, k.dtype, dm.dtype, dv.dtype, gsum.dtype,
+             mean.dtype, dmean.dtype, dvar.dtype, src.dtype, dst.dtype, act_id, batch is not None, fin_p > 0))
     return out
 
 
-def _act(act):
-    return None if act is None else act_args(act.name, act.kwargs)
+def _dy_key(key, dy):
+    """The call's launch-cache prefix for the passes that read dy: None where dy is not 16-byte aligned."""
+    return None if key is None or dy.data_ptr() & 15 else key
 
 
 class TritonBackend:
     """:class:`normdense.kernels.backend.Backend` on the Triton passes; x3 in one of the layouts of
-    ``as_read``, dy in x3's."""
+    ``as_read``, dy in x3's. The launches go through ``launch.Launcher`` under the request's ``key``."""
     name = 'triton'
     kernel_maps = True
 
@@ -190,8 +278,10 @@ class TritonBackend:
         """The chunks' moments (one launch); the first stage planned for the coefficient map's launch
         (``deferred``), or merged now in the stats kernel (where torch code reads m, v first: ``sync_stats``)."""
         x3 = as_read(x3)  # (N, C, L) rows or channels_last (N, L, C) in place, else a copy
-        partials, split, chunk = moment_partials(x3)
-        plan = FirstStage(partials, split, chunk, x3.shape, *request)
+        partials, split, chunk = moment_partials(x3, key=request.key)
+        r = request
+        plan = FirstStage(partials, split, chunk, x3.shape, r.mode, r.stat_mean, r.stat_var, r.base, r.rate,
+                          r.momentum, r.write, r.nbt, r.key)
         m, v, mean, var, moved, upd = plan.outputs if deferred else plan.launch()
         return x3, Statistics(m, v, mean, var, moved, upd, plan if deferred else None, None, request)
 
@@ -204,7 +294,7 @@ class TritonBackend:
         pc = TritonBackend.prepare(coeffs, stats.v)
         request = stats.request
         write = None if stats.update is None else (stats.update, request.stat_mean, request.stat_var)
-        return apply(x3, stats.m, stats.v, pc, _act(act), out_dtype, write, request.nbt), pc
+        return apply(x3, stats.m, stats.v, pc, act, out_dtype, write, request.nbt, key=request.key), pc
 
     @staticmethod
     def grad_layout(dy, x3):
@@ -215,13 +305,13 @@ class TritonBackend:
     def sums(x3, dy, stats: Statistics, pc, act=None, merged=True):
         """The coefficients' gradients, each (N, C), or (``merged`` False) the chunks' (SPLIT, N, C) partials that
         the layers' Triton VJP kernels and dx add as they load them."""
-        return sums(x3, dy, stats.m, stats.v, pc, _act(act), merged=merged), None
+        return sums(x3, dy, stats.m, stats.v, pc, act, merged=merged, key=_dy_key(stats.request.key, dy)), None
 
     @staticmethod
     def dx(x3, dy, stats: Statistics, pc, dm, dv, gsum, act=None, batch=None, state=None, pending=None):
         """dx; ``pending``: a layer VJP's ``common.BlockSums`` (large N), summed in this launch."""
-        return dx(x3, dy, stats.m, stats.v, pc, dm.contiguous(), dv.contiguous(), gsum, _act(act), batch,
-                    pending)
+        return dx(x3, dy, stats.m, stats.v, pc, dm.contiguous(), dv.contiguous(), gsum, act, batch, pending,
+                  key=_dy_key(stats.request.key, dy))
 
     @staticmethod
     def guard(t):

@@ -18,17 +18,21 @@ Layout: the map runs one program per block of samples (two loops over the channe
 VJP one program per (block of channels, block of samples), which first sums its samples' d p terms over all
 channels (recomputed by every program) and then sums over its samples (``common.BlockSums`` at large N).
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from .common import BlockSums, from_hi_lo, hi_lo, rsqrt, sample_blocks, split_args, split_sum
+from .common import BlockSums, cdiv, from_hi_lo, hi_lo, next_pow2, rsqrt, sample_blocks, split_sum, stacked
 from .first_stage import FOLD_SIZES, fold, fold_args
+from .launch import launcher
 
 
+@functools.lru_cache(maxsize=256)
 def _blocks(channels: int, dtype=torch.float32):
     """(BLOCK_N, BLOCK_C) for C channels: tiles of at most 1024 elements (256 in float64: no spills)."""
-    block_c = min(triton.next_power_of_2(channels), 128)
+    block_c = min(next_pow2(channels), 128)
     return min(16, (256 if dtype == torch.float64 else 1024) // block_c), block_c
 
 
@@ -179,14 +183,32 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, rs_ptr, alpha_ptr, w_ptr, p_ptr, g
         tl.store(dvar_ptr + cols, g_rs * rs2 * rs * (-0.5 * f), mask=cmask)
 
 
+@functools.lru_cache(maxsize=1024)
 def _scalars(eps, positions, count, n, norm_divisor, var_correction):
-    """(eps, k, f) as ``Unitization2d`` computes them: k = positions / divisor, f its ``_var_factor``."""
+    """(eps, k, f) as ``Unitization2d`` computes them (k = positions / divisor, f its ``_var_factor``), each as
+    its (hi, lo) pair: once per configuration and size."""
     if n is not None:
         divisor = float(n)
     else:
         divisor = float(positions) ** (2 if norm_divisor == 'hw_squared' else 1)
     f = count / (count - 1 - eps) if count is not None and var_correction == 'keras' else 1.0
-    return float(eps), positions / divisor, f
+    return (*hi_lo(float(eps)), *hi_lo(positions / divisor), *hi_lo(f))
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_plan(n: int, c: int, dtype, affine: bool, wants_stats: bool):
+    """(map grid, its constexprs, VJP grid, sample blocks, samples per block, VJP constexprs)."""
+    block_n, block_c = _blocks(c, dtype)
+    grid = cdiv(c, block_c)
+    blocks, n_per = sample_blocks(n, block_n, grid)
+    return ((cdiv(n, block_n), 1, 1), {'AFFINE': affine, 'BLOCK_N': block_n, 'BLOCK_C': block_c},
+            (grid, blocks, 1), blocks, n_per,
+            {'AFFINE': affine, 'WANTS_STATS': wants_stats, 'BLOCK_N': block_n, 'BLOCK_C': block_c,
+             # tiny tiles (small C): fewer idle threads, fewer spills
+             'num_warps': max(1, min(4, block_n * block_c // 32))})
+
+
+_MAP, _VJP = launcher(_coeff_map_kernel), launcher(_coeff_vjp_kernel)
 
 
 def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None, norm_divisor='hw',
@@ -196,22 +218,25 @@ def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None,
     ``count`` (an int) marks batch statistics (its variance factor applies), None fixed ones (estimate mode,
     eval). ``res`` holds the inputs, p, rs = 1 / sqrt(f var + eps) (C,) and the scalars: the VJP recomputes
     the rest. ``first``: the engine's planned first stage (``first_stage.FirstStage``, whose outputs m, v,
-    mean, var are): run in this launch.
+    mean, var are): run in this launch, its launch-cache key extended by this launch's.
     """
     alpha, w, b = params
     N, C = m.shape
-    m, v, mean, var = m.contiguous(), v.contiguous(), mean.contiguous(), var.contiguous()
-    a = torch.empty_like(m)
-    b_out = torch.empty_like(m)
-    p, rs = m.new_empty(N), m.new_empty(C)
-    scalars = _scalars(eps, positions, count, n, norm_divisor, var_correction)
-    split = [h for s in scalars for h in hi_lo(s)]
-    block_n, block_c = _blocks(C, m.dtype)
+    if first is None:  # the planned stage's outputs are contiguous allocations
+        m, v, mean, var = m.contiguous(), v.contiguous(), mean.contiguous(), var.contiguous()
+    grid, consts = _launch_plan(N, C, m.dtype, affine, False)[:2]
+    out = stacked(2, N, C, m)
+    a, b_out = out[0], out[1]
+    lead = -(-N // 4) * 4  # rs 16-byte aligned after p
+    prs = m.new_empty(lead + C)  # p (N,), rs (C,): one allocation
+    p, rs = prs[:N], prs[lead:]
+    split = _scalars(eps, positions, count, n, norm_divisor, var_correction)
     fargs, fconst = fold_args(first, m)
-    _coeff_map_kernel[(triton.cdiv(N, block_n),)](
-        m, v, mean, var, alpha, w if affine else alpha, b if affine else alpha, a, b_out, p, rs, N, C, *split,
-        *fargs, AFFINE=affine, BLOCK_N=block_n, BLOCK_C=block_c, **fconst)
-    return (a, b_out), (m, v, mean, rs, alpha, w if affine else None, p, split)
+    key = None if first is None or first.key is None else first.key + (
+        N, C, affine, alpha.dtype, w.dtype, b.dtype)
+    _MAP(grid, (m, v, mean, var, alpha, w if affine else alpha, b if affine else alpha, a, b_out, p, rs, N, C,
+                *split, *fargs), {**consts, **fconst}, key)
+    return (a, b_out), (m, v, mean, rs, alpha, w if affine else None, p, split, key)
 
 
 def coeff_vjp(res, grads, wants_stats, *, affine, defer=False):
@@ -221,18 +246,18 @@ def coeff_vjp(res, grads, wants_stats, *, affine, defer=False):
     parameter gradients in the parameters' dtypes. Many samples run on sample blocks too (``common.BlockSums``):
     ``defer`` returns their partials, dmean, dvar (SB, C) and a ``BlockSums`` in place of the parameter
     gradients, for dx to sum; else they are summed here."""
-    m, v, mean, rs, alpha, w, p, split = res
-    ga, gb = (g if g.dim() == 3 else g.contiguous() for g in grads)
+    m, v, mean, rs, alpha, w, p, split, key = res
+    ga, gb = grads[0], grads[1]
+    if ga.dim() != 3:  # merged (N, C) sums: any strides
+        ga, gb = ga.contiguous(), gb.contiguous()
     N, C = m.shape
-    dm, de = torch.empty_like(m), torch.empty_like(m)
-    block_n, block_c = _blocks(C, m.dtype)
-    grid = triton.cdiv(C, block_c)
-    blocks, n_per = sample_blocks(N, block_n, grid)
+    _, _, grid, blocks, n_per, consts = _launch_plan(N, C, m.dtype, affine, bool(wants_stats))
+    dme = stacked(2, N, C, m)
+    dm, de = dme[0], dme[1]
     out = BlockSums(blocks, m, (alpha, w, w if affine else None), wants_stats)
     dalpha, dw, db, dmean, dvar = out.slots
-    _coeff_vjp_kernel[(grid, blocks)](
-        m, v, mean, rs, alpha, w if affine else alpha, p, ga, gb, dm, de, dmean, dvar, dalpha, dw, db, N, C,
-        *split_args(ga), n_per, out.stride, *split[2:], AFFINE=affine, WANTS_STATS=wants_stats, BLOCK_N=block_n,
-        BLOCK_C=block_c,
-        num_warps=max(1, min(4, block_n * block_c // 32)))  # tiny tiles (small C): fewer idle threads, fewer spills
+    gsplit, gstride = (ga.shape[0], ga.stride(0)) if ga.dim() == 3 else (1, 0)
+    _VJP(grid, (m, v, mean, rs, alpha, w if affine else alpha, p, ga, gb, dm, de, dmean, dvar, dalpha, dw, db, N, C,
+                gsplit, gstride, n_per, out.stride, *split[2:]), consts,
+         None if key is None else key + (bool(wants_stats), ga.dtype, gb.dtype))
     return (dm, de) + out.result(defer)

@@ -22,57 +22,75 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ExportError
+from ..kernels import backend as _backend
 from ..kernels.aten import AtenBackend
 from ..kernels.backend import HALF as _HALF
 from ..kernels.backend import (STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, PendingSums, Statistics, StatsRequest,
-                               check_backend, give_up_triton, selected_backend, tracked)
+                               autocast_on, check_backend, exporting, give_up_triton, resolve, tracked)
 from ._distributed import synced_batch_moments, synced_batch_moments_vjp
 from ._estimate import Estimates, in_backward, mark_iteration, mark_on_backward
 
-
-
-def _triton():
-    from ..kernels.triton import TritonBackend  # triton imported only when it runs
-    return TritonBackend
-
-
-_BACKENDS = {'aten': lambda: AtenBackend, 'triton': _triton}
-_PER_DEVICE_AUTOCAST = hasattr(torch, 'get_autocast_dtype')  # torch >= 2.4 asks autocast per device type
-
-
-def _autocast_on(device_type: str) -> bool:
-    if not _PER_DEVICE_AUTOCAST:  # cannot ask: always a context
-        return True
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except RuntimeError:  # a device type without autocast (meta): it cannot be on
-        return False
+_task_id = getattr(torch._C, '_current_graph_task_id', None)  # in_backward() without its two calls a step
+_unwrap_if_dead = getattr(getattr(torch._C, '_functorch', None), 'unwrap_if_dead', None)
+# attributes a layer sets per iteration or step: they do not change its plans
+_PER_CALL = frozenset(('training', 'current_rate'))
 
 
 def _no_autocast(device_type: str):
     """Autocast off for ``device_type``: ``torch.autocast(enabled=False)`` where it is on, else nothing (entering
     one costs about 6 us, twice a training step)."""
-    if _autocast_on(device_type):
+    if autocast_on(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
 
 
+class _Plan(NamedTuple):
+    """What a layer's call needs besides tensors, once per (x's dtype, x's device, backend state), cached on the
+    layer (its ``__setattr__`` and ``_apply`` drop them): no per-call planning."""
+    backend: Any  # a kernels.backend.Backend
+    errors: tuple  # what the backend raises for a kernel that does not compile (ATen: none)
+    cd: torch.dtype  # the compute dtype of the statistics
+    out_dtype: torch.dtype
+    convert: bool  # x3 goes to cd first (e.g. float32 x with float64 parameters)
+    maps: tuple  # (coeff_map, coeff_vjp) of the backend's kind
+    torch_maps: tuple  # the layer's torch maps (all-reduced statistics, a failed compile's fallback)
+    act: Any  # GN+PN's activation, or None
+    key: Optional[tuple]  # the launch-cache prefix (device,) where launches are cached, else None
+    cuda: Optional[int]  # the CUDA device the launches need current (Triton), else None
+    autocast: bool  # torch code runs between the passes: autocast off around them
+
+
 class _Call(NamedTuple):  # a NamedTuple: a frozen dataclass's __init__ costs 3x more per call
     """What the Function's forward and backward need of one call besides tensors."""
-    backend: Any  # a kernels.backend.Backend
-    maps: tuple  # (coeff_map, coeff_vjp) of the backend's kind
-    torch_maps: tuple  # the layer's torch maps (the ATen fallback of a Triton backward that fails to compile)
+    plan: _Plan
+    maps: tuple  # the maps this call runs (the torch ones for all-reduced statistics)
     kernel_maps: bool  # maps are the layer's kernel transcriptions
     kind: str  # the statistics: 'none' | 'fixed' | 'batch' | 'synced'
     count: Any  # values per channel behind batch statistics (an int, a tensor when all-reduced), else None
-    act: Any  # GN+PN's activation, or None
-    out_dtype: torch.dtype
     option: Optional[str]  # the layer's backend option (a failed compile under 'auto' falls back)
     ends_iteration: bool  # estimate mode in training: the backward ends the iteration
 
 
+def _aligned(x3, params, buffers) -> bool:
+    """Whether every tensor a call hands the kernels from outside is 16-byte aligned (the launch cache's
+    compiled kernels assume what the first launch saw; ours are allocated aligned)."""
+    if x3.data_ptr() & 15:
+        return False
+    for t in params:
+        if t is not None and t.data_ptr() & 15:
+            return False
+    for t in buffers:
+        if t is not None and t.data_ptr() & 15:
+            return False
+    return True
+
+
 class StatNorm2d(nn.Module):
-    """Base class of BCN, GN+PN and Unitization: their flags, buffers, dtype policy and the engine.
+    """Base class of BCN, GN+PN and Unitization: their flags, buffers, dtype policy, ``forward`` and the engine.
+
+    ``forward`` (as torch's ``_BatchNorm.forward``) checks the input (``_check_input``), takes the layer's eval
+    form of standard ops while a graph is recorded for export (``_eval_form``), the engine where it applies
+    (``fused`` and ``_fusable(x)``), else the layer's reference composition (``_reference``).
 
     A layer calls :meth:`_init_statnorm` in its constructor and supplies data: ``_statnorm_params()`` (tensors or
     None, in order), ``_coeff_maps(kernel)`` (its pure map and closed-form VJP, torch or kernel, bound to its
@@ -104,6 +122,15 @@ class StatNorm2d(nn.Module):
         register(layer)
         return layer
 
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name not in _PER_CALL:  # a configuration, parameter or buffer changed: plan anew
+            self.__dict__['_plans'] = {}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__dict__['_plans'] = {}  # checkpoints and copies pickled before plans existed have none
+
     def _init_statnorm(self, num_features: int, mode: Optional[str], sync_stats: bool, fused: bool,
                        backend: Optional[str], momentum=None) -> None:
         self.mode, self.sync_stats, self.momentum = mode, bool(sync_stats), momentum
@@ -121,7 +148,8 @@ class StatNorm2d(nn.Module):
         self.num_batches_tracked.zero_()
 
     def _buffers3(self):
-        return self.running_mean, self.running_var, self._buffers.get('num_batches_tracked')
+        b = self._buffers
+        return b['running_mean'], b['running_var'], b.get('num_batches_tracked')
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
         self._estimates.reset()  # new estimates: the next call starts a new iteration from them
@@ -131,6 +159,7 @@ class StatNorm2d(nn.Module):
         return super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
 
     def _apply(self, fn, *args, **kwargs):
+        self.__dict__['_plans'] = {}  # new dtypes or devices
         if '_estimates' in self.__dict__:  # its tensors stay behind: start anew from the moved buffers
             self._estimates.reset()
         if getattr(self, 'mode', None) != 'estimate':
@@ -146,7 +175,7 @@ class StatNorm2d(nn.Module):
     @staticmethod
     def stat_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
         """The compute dtype of statistics over ``tensors``: float64 if any is float64, else float32."""
-        for t in tensors:  # a loop, not any(generator): once per call, half the host time
+        for t in tensors:  # a loop, not any(generator)
             if t is not None and t.dtype == torch.float64:
                 return torch.float64
         return torch.float32
@@ -190,8 +219,9 @@ class StatNorm2d(nn.Module):
                 nbt.add_(1)
 
     def _watch(self, y: torch.Tensor) -> torch.Tensor:
-        """y, whose backward ends the iteration in estimate-mode training (under torch.compile the operator's
-        backward does: a hook traced into a compiled backward cannot change Python state)."""
+        """y, whose backward ends the iteration in estimate-mode training (the reference compositions; the engine's
+        Function ends it in its backward; under torch.compile the operator's backward does: a hook traced into a
+        compiled backward cannot change Python state)."""
         if not (self.mode == 'estimate' and self.training):
             return y
         if torch.compiler.is_compiling() and self.__dict__.get('_op_marks_iteration', False):
@@ -201,6 +231,25 @@ class StatNorm2d(nn.Module):
         return y
 
     # --- forward --------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        if exporting():  # a graph recorded for another runtime: standard ops, eval mode only
+            return self._export_form(x)
+        if self.fused and self._fusable(x):
+            return self._statnorm_forward(x)
+        return self._reference(x)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        """A one-line ValueError for an input the layer does not take."""
+
+    def _fusable(self, x: torch.Tensor) -> bool:
+        """Whether the engine computes this call (else the reference composition: empty inputs, ...)."""
+        return x.numel() > 0
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output by its reference composition of torch ops (``fused=False``)."""
+        raise NotImplementedError
+
     def _export_form(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's ``_eval_form(x)`` (standard ops) while a graph is recorded; training mode is refused: a
         recorded graph cannot move statistics or estimates."""
@@ -210,7 +259,7 @@ class StatNorm2d(nn.Module):
         return self._eval_form(x)
 
     def _statnorm_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The layer's output on a non-empty x (N, C, *positions), watched for the end of the iteration."""
+        """The layer's output on a non-empty x (N, C, *positions) by the engine."""
         if torch.compiler.is_compiling():  # one opaque operator for the compiler
             from ..kernels.torch_op import compiled_call
             if self.mode == 'estimate' and self.training:
@@ -218,70 +267,102 @@ class StatNorm2d(nn.Module):
             return self._watch(compiled_call(self, x))
         return self._statnorm_eager(x)
 
+    def _plan(self, x: torch.Tensor) -> _Plan:
+        """This layer's :class:`_Plan` for x's dtype and device (made on the first such call)."""
+        key = (x.dtype, x.device, _backend._STATE['broken'])
+        plan = self.__dict__['_plans'].get(key)
+        if plan is None:
+            plan = self.__dict__['_plans'][key] = self._make_plan(x, resolve(self.backend, x))
+        return plan
+
+    def _make_plan(self, x: torch.Tensor, be) -> _Plan:
+        params = self._statnorm_params()
+        cd, out_dtype = self.stat_dtype(x, *params), self._output_dtype(x)
+        torch_maps = self._coeff_maps(False)
+        maps = self._coeff_maps(True) if be.kernel_maps else torch_maps
+        key = cuda = None
+        if x.is_cuda and be.kernel_maps:  # launches cached where they compile (the CPU's interpreter: as they are)
+            cuda = x.device.index
+            key = (cuda, )
+        return _Plan(be, be.compile_errors(), cd, out_dtype, x.dtype not in _HALF and x.dtype != cd, maps,
+                     torch_maps, self._statnorm_act(), key, cuda, not be.kernel_maps or bool(self.sync_stats))
+
     def _statnorm_eager(self, x: torch.Tensor, keep: Optional[list] = None) -> torch.Tensor:
-        """The output by the selected backend; with ``keep`` (the torch.compile operator) no autograd graph:
+        """The output by the layer's backend; with ``keep`` (the torch.compile operator) no autograd graph:
         (backward state, backward function) is appended to it."""
-        be = _BACKENDS[selected_backend(self, x)]()
+        plan = self._plan(x)
         try:
-            with be.guard(x):
-                return self._run(x, be, keep)
-        except be.compile_errors() as e:  # under 'auto': the ATen backend takes this call and the next
+            if plan.cuda is not None and plan.cuda != torch._C._cuda_getDevice():
+                with torch.cuda.device(plan.cuda):  # Triton launches on the current device and stream
+                    return self._run(x, plan, keep)
+            return self._run(x, plan, keep)
+        except plan.errors as e:  # under 'auto': the ATen backend takes this call and the next
             give_up_triton(self.backend, e)
             self._estimates.drop_unfilled()
-        return self._run(x, AtenBackend, keep)
+        return self._run(x, self._plan(x), keep)
 
-    def _run(self, x, be, keep):
+    def _run(self, x, plan: _Plan, keep):
+        if plan.autocast and autocast_on(x.device.type):  # torch code between the passes
+            with torch.autocast(x.device.type, enabled=False):
+                return self._run_step(x, plan, keep)
+        return self._run_step(x, plan, keep)
+
+    def _run_step(self, x, plan: _Plan, keep):
         shape = x.shape
-        params = tuple(self._statnorm_params())
-        cd, out_dtype = self.stat_dtype(x, *params), self._output_dtype(x)
-        with _no_autocast(x.device.type):
-            x3 = x.reshape(shape[0], shape[1], -1)
-            if x3.dtype != cd and x3.dtype not in _HALF:
-                x3 = x3.to(cd)  # e.g. float32 x with float64 parameters
-            x3, stats, kind, count, step = self._first_stage(be, x3)
-            kernel = be.kernel_maps and kind != 'synced'  # the kernel maps take no all-reduced count
-            maps = self._coeff_maps(kernel)
-            call = _Call(be, maps, self._coeff_maps(False) if kernel else maps, kernel, kind, count,
-                         self._statnorm_act(), out_dtype, self.backend, self.mode == 'estimate' and self.training)
-            needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(
-                p is not None and p.requires_grad for p in params))
-            if keep is not None:
-                ctx = _OpContext(x3)
-                y = _forward(ctx, x3, call, stats, params)
-                keep.append((ctx, _op_backward))
-                needs_grad = False
-            elif not needs_grad:  # eval / no_grad: nothing kept
-                y = be.apply(x3, stats, _map(call, stats, params, x3.shape[2])[0], call.act, out_dtype)[0]
-            else:
-                y = _StatNormFn.apply(x3, call, stats, *params)
+        params = self._statnorm_params()
+        x3 = x.reshape(shape[0], shape[1], -1)
+        if plan.convert:
+            x3 = x3.to(plan.cd)  # e.g. float32 x with float64 parameters
+        key = plan.key
+        if key is not None and not _aligned(x3, params, self._buffers3() if self._FIRST_STAGE else ()):
+            key = None  # launched as Triton does (its specialization of these pointers)
+        x3, stats, kind, count, step = self._first_stage(plan.backend, x3, key)
+        kernel = plan.backend.kernel_maps and kind != 'synced'  # the kernel maps take no all-reduced count
+        call = _Call(plan, plan.maps if kernel else plan.torch_maps, kernel, kind, count, self.backend,
+                     self.mode == 'estimate' and self.training)
+        needs_grad = x.requires_grad
+        for p in params:
+            if p is not None and p.requires_grad:
+                needs_grad = True
+        needs_grad = needs_grad and torch.is_grad_enabled()
+        if keep is not None:
+            ctx = _OpContext(x3)
+            y = _forward(ctx, x3, call, stats, params)
+            keep.append((ctx, _op_backward))
+            needs_grad = False
+        elif not needs_grad:  # eval / no_grad: nothing kept
+            y = plan.backend.apply(x3, stats, _map(call, stats, params, x3.shape[2])[0], plan.act, plan.out_dtype)[0]
+        else:
+            y = _apply_fn(x3 if _unwrap_if_dead is None else _unwrap_if_dead(x3), call, stats, *params)
         if step is not None:  # after the kernels: the iteration's total
             it, buffers = step
             self._estimates.end(it, stats.moved, x3.shape[0] * x3.shape[2], buffers)
-        return self._watch(_reshaped_base(y, shape) if not needs_grad else y.view(shape))
+        return y.view(shape) if needs_grad else _reshaped_base(y, shape)
 
-    def _first_stage(self, be, x3):
+    def _first_stage(self, be, x3, key=None):
         """(x3 as the backend reads it, :class:`Statistics`, kind, count, (the open iteration, the buffers) to close
         after the kernels or None)."""
         if not self._FIRST_STAGE:
-            return (*be.first_stage(x3, StatsRequest()), 'none', None, None)
-        rm, rv, nbt = self._buffers3()
+            return (*be.first_stage(x3, StatsRequest(key=key)), 'none', None, None)
+        b = self._buffers
+        rm, rv, nbt = b['running_mean'], b['running_var'], b.get('num_batches_tracked')
         if not self.training:
-            return (*be.first_stage(x3, StatsRequest(STATS_FIXED, rm, rv)), 'fixed', None, None)
+            return (*be.first_stage(x3, StatsRequest(STATS_FIXED, rm, rv, key=key)), 'fixed', None, None)
         estimate = self.mode == 'estimate'
         if self.sync_stats and (estimate or self._SYNC_BATCH) and dist.is_available() and dist.is_initialized() \
                 and dist.get_world_size() > 1:  # the collectives read m, v now
-            x3, st = be.first_stage(x3, StatsRequest(), deferred=False)
+            x3, st = be.first_stage(x3, StatsRequest(key=key), deferred=False)
             kind, mean, var, count = self._synced_stats(st.m, st.v, x3.shape[2])
             return x3, st._replace(mean=mean, var=var), kind, count, None
         count = x3.shape[0] * x3.shape[2]
         if estimate:  # Algorithm 1, once per iteration
             it, backward = self._estimates.begin((rm, rv, nbt), self._rate, deferred=True)
             first = it.total is None and not backward
-            request = StatsRequest(STATS_ESTIMATE, rm, rv, it.base, it.rate, write=first, nbt=nbt if first else None)
+            request = StatsRequest(STATS_ESTIMATE, rm, rv, it.base, it.rate, 0.1, first, nbt if first else None, key)
             return (*be.first_stage(x3, request), 'fixed', None, None if backward else (it, (rm, rv, nbt)))
-        backward = in_backward()  # a checkpoint's recomputation: the forward's values, no state change
-        request = StatsRequest(STATS_BATCH, rm, rv, momentum=self.momentum, write=not backward,
-                               nbt=None if backward else nbt)
+        backward = _task_id is not None and _task_id() != -1  # a checkpoint's recomputation: no state change
+        request = StatsRequest(STATS_BATCH, rm, rv, None, 0.0, self.momentum, not backward,
+                               None if backward else nbt, key)
         return (*be.first_stage(x3, request), 'batch', count, None)
 
     def _synced_stats(self, m, v, positions):
@@ -306,26 +387,28 @@ class _OpContext:
 
 def _map(call: _Call, stats: Statistics, params, positions):
     """The coefficient map of this call (running a planned first stage in its launch)."""
-    first = {} if stats.plan is None else {'first': stats.plan}
-    return call.maps[0](stats.m, stats.v, stats.mean, stats.var, params, positions, call.count, **first)
+    if stats.plan is None:
+        return call.maps[0](stats.m, stats.v, stats.mean, stats.var, params, positions, call.count)
+    return call.maps[0](stats.m, stats.v, stats.mean, stats.var, params, positions, call.count, first=stats.plan)
 
 
 def _forward(ctx, x3, call: _Call, stats: Statistics, params):
     coeffs, res = _map(call, stats, params, x3.shape[2])
-    y, ctx.pc = call.backend.apply(x3, stats, coeffs, call.act, call.out_dtype)
+    plan = call.plan
+    y, ctx.pc = plan.backend.apply(x3, stats, coeffs, plan.act, plan.out_dtype)
     ctx.call, ctx.stats, ctx.res, ctx.params = call, stats._replace(update=None, plan=None, out=None), res, params
-    ctx.param_dtypes = [None if p is None else p.dtype for p in params]
     return y
 
 
 def _backward(ctx, x3, dy):
     """(dx, dparams) for dy in x3's shape and dtype."""
     call, stats, pc = ctx.call, ctx.stats, ctx.pc
-    be, act = call.backend, call.act
-    grads, state = be.sums(x3, dy, stats, pc, act, merged=not call.kernel_maps)
-    # large N: the kernel maps may leave the sample blocks' partial sums (PendingSums) for dx's launch
-    defer = {'defer': True} if call.kernel_maps else {}
-    dm, dv, dmean, dvar, dparams = call.maps[1](ctx.res, grads, call.kind in ('batch', 'synced'), **defer)
+    be, act = call.plan.backend, call.plan.act
+    grads, state = be.sums(x3, dy, stats, pc, act, not call.kernel_maps)
+    if call.kernel_maps:  # large N: the kernel maps may leave the sample blocks' partial sums for dx's launch
+        dm, dv, dmean, dvar, dparams = call.maps[1](ctx.res, grads, call.kind == 'batch', defer=True)
+    else:
+        dm, dv, dmean, dvar, dparams = call.maps[1](ctx.res, grads, call.kind in ('batch', 'synced'))
     pending = dparams if isinstance(dparams, PendingSums) else None
     if pending is not None:
         dparams = pending.params
@@ -338,36 +421,54 @@ def _backward(ctx, x3, dy):
     if ctx.needs_input_grad[0]:
         batch = (stats.mean, dmean, dvar, 1.0 / x3.shape[0]) if call.kind == 'batch' else None
         dx = be.dx(x3, dy, stats, pc, dm, dv, grads[1], act, batch, state, pending)
-    # d.to(t) costs about 2 us even where it returns d
-    dparams = [None if d is None or t is None else d if d.dtype == t else d.to(t)
-               for d, t in zip(dparams, ctx.param_dtypes)]
-    return dx, dparams
+    out = []
+    for d, p in zip(dparams, ctx.params):  # d.to(p) costs about 2 us even where it returns d
+        out.append(None if d is None or p is None else d if d.dtype == p.dtype else d.to(p.dtype))
+    return dx, out
 
 
 def _backward_or_fallback(ctx, dy):
     x3, = ctx.saved_tensors
-    be = ctx.call.backend
-    with _no_autocast(x3.device.type):
-        dy = be.grad_layout(dy.reshape(x3.shape), x3)  # dy may be expanded (the grad of a sum); once for both passes
-        try:
-            with be.guard(x3):  # autograd may run the backward with another device current
+    plan = ctx.call.plan
+    if plan.autocast and autocast_on(x3.device.type):  # torch code between the passes
+        with torch.autocast(x3.device.type, enabled=False):
+            return _backward_guarded(ctx, x3, dy, plan)
+    return _backward_guarded(ctx, x3, dy, plan)
+
+
+def _backward_guarded(ctx, x3, dy, plan: _Plan):
+    dy = plan.backend.grad_layout(dy.reshape(x3.shape), x3)  # dy may be expanded (a sum's grad); once for both
+    try:
+        if plan.cuda is not None and plan.cuda != torch._C._cuda_getDevice():
+            with torch.cuda.device(plan.cuda):  # autograd may run the backward with another device current
                 return _backward(ctx, x3, dy)
-        except be.compile_errors() as e:  # a backward kernel failed to compile: ATen, from the same statistics
-            give_up_triton(ctx.call.option, e)
-            ctx.call = call = ctx.call._replace(backend=AtenBackend, maps=ctx.call.torch_maps, kernel_maps=False)
-            stats = ctx.stats
-            coeffs, ctx.res = call.maps[0](stats.m, stats.v, stats.mean, stats.var, ctx.params, x3.shape[2],
-                                           call.count)
-            ctx.pc = AtenBackend.prepare(coeffs, stats.v)
+        return _backward(ctx, x3, dy)
+    except plan.errors as e:  # a backward kernel failed to compile: ATen, from the same statistics
+        give_up_triton(ctx.call.option, e)
+        aten = plan._replace(backend=AtenBackend, errors=(), maps=plan.torch_maps, key=None, cuda=None,
+                             autocast=True)
+        ctx.call = call = ctx.call._replace(plan=aten, maps=plan.torch_maps, kernel_maps=False)
+        stats = ctx.stats
+        coeffs, ctx.res = call.maps[0](stats.m, stats.v, stats.mean, stats.var, ctx.params, x3.shape[2],
+                                       call.count)
+        ctx.pc = AtenBackend.prepare(coeffs, stats.v)
+        with _no_autocast(x3.device.type):
             return _backward(ctx, x3, dy)
 
 
 def _op_backward(ctx, dy):
     """The torch.compile operator's backward of a forward it ran with ``keep``."""
     out = _backward_or_fallback(ctx, dy)
-    if ctx.call.ends_iteration:  # as the hook of StatNorm2d._watch in eager mode
+    if ctx.call.ends_iteration:  # as the engine's Function in eager mode
         mark_iteration()
     return out
+
+
+def _plain_backward(ctx, dy):
+    dx, dparams = _backward_or_fallback(ctx, dy)
+    if ctx.call.ends_iteration:  # gradients flowed back through an estimate-mode layer: the iteration ends
+        mark_iteration()
+    return (dx, None, None, *dparams)
 
 
 class _StatNormFn(torch.autograd.Function):
@@ -378,10 +479,21 @@ class _StatNormFn(torch.autograd.Function):
         return _forward(ctx, x3, call, stats, params)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        dx, dparams = _backward_or_fallback(ctx, dy)
-        return (dx, None, None, *dparams)
+        if torch.is_grad_enabled():  # create_graph: gradients that refuse a second differentiation
+            return _once(ctx, dy)
+        return _plain_backward(ctx, dy)
+
+
+_once = torch.autograd.function.once_differentiable(_plain_backward)
+_base_apply = super(torch.autograd.Function, _StatNormFn).apply  # the C apply: Function.apply's Python skipped
+
+
+def _apply_fn(x3, call, stats, *params):
+    """``_StatNormFn.apply``: the C entry directly unless functorch transforms are active (they need Python's)."""
+    if torch._C._are_functorch_transforms_active():
+        return _StatNormFn.apply(x3, call, stats, *params)
+    return _base_apply(x3, call, stats, *params)
 
 
 def _reshaped_base(y: torch.Tensor, shape) -> torch.Tensor:

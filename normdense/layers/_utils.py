@@ -6,6 +6,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ..kernels.backend import autocast_on as autocast_enabled  # noqa: F401  (one query: the engine's)
 from ..kernels.backend import exporting  # noqa: F401  (the layers' name for it)
 
 
@@ -45,14 +46,6 @@ def device_autocast(device_type: str) -> Tuple[bool, torch.dtype]:
     if device_type == 'cuda':
         return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
     raise RuntimeError(f'no autocast state query for {device_type!r} before torch 2.4')
-
-
-def autocast_enabled(device_type: str) -> bool:
-    """Whether autocast is on for ``device_type`` (any torch version; False where it has no autocast)."""
-    try:
-        return device_autocast(device_type)[0]
-    except RuntimeError:
-        return False
 
 
 def set_fused(module: nn.Module, fused: bool = True) -> int:

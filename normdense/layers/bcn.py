@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ._distributed import reference_synced_moments, world_size
 from ._estimate import EstimateRateMixin, in_backward
 from ._statnorm import StatNorm2d
-from ._utils import exporting, standardization_affine
+from ._utils import standardization_affine
 from .groups import check_group_values, group_policy, resolve_groups
 
 BCN_MODES = ('batch', 'estimate')
@@ -173,23 +173,23 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
             weight, bias = weight.repeat_interleave(per_group), bias.repeat_interleave(per_group)
         return F.group_norm(x, self.num_groups, weight, bias, self.eps)
 
-    def forward(self, x):
-        if x.dim() in (2, 3):  # e.g. EncNet's codeword norm, a classifier head's BN1d slot
-            return self.forward(x.reshape(*x.shape, *(1, ) * (4 - x.dim()))).reshape(x.shape)
-        if x.dim() != 4:
+    def _check_input(self, x):
+        if x.dim() not in (2, 3, 4):  # (N, C) and (N, C, L): e.g. EncNet's codeword norm, a classifier's BN1d slot
             raise ValueError(f'BatchChannelNorm2d expects (N, C, H, W), (N, C, L) or (N, C) input, got shape '
                              f'{tuple(x.shape)}')
         if self.num_groups == self.num_channels:
             check_group_values(x, self.num_channels, self.num_groups, 'BatchChannelNorm2d')
-        if exporting():
-            return self._export_form(x)
-        if self.fused and self._fusable(x):
-            return self._statnorm_forward(x)
+
+    def _reference(self, x):
+        if x.dim() != 4:
+            return self._reference(x.reshape(*x.shape, *(1, ) * (4 - x.dim()))).reshape(x.shape)
         # the engine's dtype policy: under CUDA autocast F.group_norm returns float32
         return self._watch(self._channel_stage(self._batch_stage(x), self.weight, self.bias).to(x.dtype))
 
     def _eval_form(self, x):
         """The eval output in standard ops (ONNX export): Eq. 40 as one affine, then Eq. 42 as ``F.group_norm``."""
+        if x.dim() != 4:
+            return self._eval_form(x.reshape(*x.shape, *(1, ) * (4 - x.dim()))).reshape(x.shape)
         u = self._affine(self.compute_input(x), self.running_mean, self.running_var, self.batch_weight,
                          self.batch_bias)
         return self._channel_stage(u, self.weight, self.bias).to(x.dtype)
@@ -198,7 +198,7 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
         # empty input, or batch statistics of one value: the reference path's answer (empty, or F.batch_norm's error)
         if x.numel() == 0:
             return False
-        return self.mode == 'estimate' or not self.training or x.shape[0] * x.shape[2] * x.shape[3] > 1
+        return self.mode == 'estimate' or not self.training or x.numel() // x.shape[1] > 1
 
     def _statnorm_params(self):
         return self.batch_weight, self.batch_bias, self.weight, self.bias

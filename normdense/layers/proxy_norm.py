@@ -131,18 +131,16 @@ def _triton_kwargs(cfg):
     return kw
 
 
-def _triton_coeff_map(cfg, m, v, mean, var, params, positions, count, first=None):
-    """:func:`coeff_map` as one Triton launch; ``first``: the engine's moments merge, run in the same launch."""
-    from ..kernels import proxy_norm as kernels
+def _triton_coeff_map(cfg, kernel, kwargs, m, v, mean, var, params, positions, count, first=None):
+    """:func:`coeff_map` as one Triton launch (``kernel``: ``kernels.proxy_norm.coeff_map``, ``kwargs`` its
+    configuration); ``first``: the engine's moments merge, run in the same launch."""
     q = _cached_quantiles(cfg.num_samples, m.dtype, m.device)
-    return kernels.coeff_map(m, v, mean, var, params, positions, count, quantiles=q, first=first,
-                             **_triton_kwargs(cfg))
+    return kernel(m, v, mean, var, params, positions, count, quantiles=q, first=first, **kwargs)
 
 
-def _triton_coeff_vjp(cfg, res, grads, wants_stats, defer=False):
+def _triton_coeff_vjp(kernel, kwargs, res, grads, wants_stats, defer=False):
     """:func:`coeff_vjp` as one Triton launch (``defer``: sums over samples left as partials for the Triton dx)."""
-    from ..kernels import proxy_norm as kernels
-    return kernels.coeff_vjp(res, grads, wants_stats, defer=defer, **_triton_kwargs(cfg))
+    return kernel(res, grads, wants_stats, defer=defer, **kwargs)
 
 
 class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
@@ -241,17 +239,15 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
         var = (a - mean[:, None]).square().mean(dim=1)  # expectation over the proxy: 1/n
         return mean, var
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() < 2 or x.size(1) != self.num_channels:
+    def _check_input(self, x: torch.Tensor) -> None:
+        if x.dim() < 2 or x.shape[1] != self.num_channels:
             raise ValueError(f'GNPN expects input (N, {self.num_channels}, ...), '
                              f'got shape {tuple(x.shape)}')
         if self.num_groups == self.num_channels:
             check_group_values(x, self.num_channels, self.num_groups, 'GNPN')
-        if exporting():
-            return self._export_form(x)
-        if self.fused and x.numel() > 0:
-            return self._statnorm_forward(x)
-        return self._eq7(x, self.stat_dtype(x, self.weight), self.weight, self.bias, self.proxy_beta, self.proxy_gamma)
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
+        return self._eval_form(x)  # Eq. 7: batch-independent, the same in train and eval
 
     _FIRST_STAGE = False
 
@@ -273,7 +269,10 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
     def _coeff_maps(self, triton: bool):
         cfg = self._config()
         if triton:
-            return functools.partial(_triton_coeff_map, cfg), functools.partial(_triton_coeff_vjp, cfg)
+            from ..kernels import proxy_norm as kernels  # triton imported only when it runs
+            kw = _triton_kwargs(cfg)
+            return (functools.partial(_triton_coeff_map, cfg, kernels.coeff_map, kw),
+                    functools.partial(_triton_coeff_vjp, kernels.coeff_vjp, kw))
         return functools.partial(coeff_map, cfg), functools.partial(coeff_vjp, cfg)
 
     def _eq7(self, x: torch.Tensor, dtype: torch.dtype, weight, bias, proxy_beta, proxy_gamma) -> torch.Tensor:

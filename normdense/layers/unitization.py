@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from ._estimate import EstimateRateMixin, in_backward
 from ._statnorm import StatNorm2d
-from ._utils import affine_parameters, exporting, standardization_affine
+from ._utils import affine_parameters, standardization_affine
 
 UNITIZATION_MODES = ('batch', 'estimate')
 NORM_DIVISORS = ('hw', 'hw_squared')
@@ -172,13 +172,14 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
             self._track(mean.detach(), var.detach(), count)
         return mean, var * _var_factor(self._config(), count)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _check_input(self, x: torch.Tensor) -> None:
         if x.dim() < 2 or x.shape[1] != self.num_features:
             raise ValueError(f'Unitization2d({self.num_features}) expects (N, {self.num_features}, ...) input, '
                              f'got shape {tuple(x.shape)}')
-        if exporting():
-            return self._export_form(x)
-        return self._forward(x)
+
+    def _fusable(self, x: torch.Tensor) -> bool:
+        # empty input (its own answer below) or batch statistics of one value (the reference's error)
+        return x.numel() > 0 and (self.mode == 'estimate' or not self.training or x.numel() // x.shape[1] > 1)
 
     def _eval_form(self, x: torch.Tensor) -> torch.Tensor:
         """The eval output in standard ops (ONNX export)."""
@@ -186,15 +187,13 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
         return self._unitize(xf, self.running_mean.to(xf.dtype), self.running_var.to(xf.dtype), self.alpha,
                              self.weight, self.bias).to(x.dtype)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == 0:
             # zero RoIs: no statistics (NaN), parameters kept in the graph for DDP; estimate mode still joins
             # the other ranks' all-reduce (count 0) so collectives line up
             if self.mode == 'estimate' and self.training:
                 self._stage1_stats(self.compute_input(x))
             return self._watch(x * 0 + sum(p.sum() for p in self.parameters()) * 0)
-        if self.fused and (self.mode == 'estimate' or not self.training or x.numel() // x.shape[1] > 1):
-            return self._statnorm_forward(x)
         xf = self.compute_input(x)
         mean, var = self._stage1_stats(xf)
         return self._watch(self._unitize(xf, mean, var, self.alpha, self.weight, self.bias).to(x.dtype))

@@ -1,0 +1,149 @@
+"""Kernel launches through a cache of compiled kernels: what one launch costs the host.
+
+``kernel[grid](*args, **consts)`` takes 10-20 us in triton 3.6/3.7: it binds and specializes every argument,
+then looks the compiled kernel up. A launch site that knows what its specialization depends on passes a
+``key``: the first launch under a key goes through ``kernel[grid]`` (which compiles), and the compiled kernel's
+own launcher is kept under the key; later launches call it directly, as sglang's ``CachedKernel``, FlagGems'
+``LibEntry`` and Inductor's static launcher do.
+
+A key must determine Triton's specialization of the arguments: the tensors' dtypes and 16-byte alignment, the
+integers that are not ``do_not_specialize``, the constexprs and options, and the device: a key is a tuple whose
+first item is the device's index (-1 for a CPU tensor).
+``tests/kernels/test_launch.py`` checks every site's keys against Triton's own ``native_specialize_impl``.
+
+The normal launch is taken (nothing kept) without a key, under Triton's interpreter (no compiled kernel), while
+a launch hook is set (``knobs.runtime.launch_enter_hook``: a profiler), and where the compiled kernel is not what
+this file expects (:func:`direct`): the launcher's internals differ between Triton versions.
+
+:func:`stub_launches` is the one point where a benchmark on a machine without a GPU replaces the launches by
+no-ops (the driver calls), so that everything above them is measured (``benchmarks/host.py``).
+"""
+import contextlib
+import inspect
+
+import torch
+
+# the compiled kernel's launcher, triton 3.6 and 3.7: run(gridX, gridY, gridZ, stream, function, packed_metadata,
+# launch_metadata, launch_enter_hook, launch_exit_hook, *args) (3.6 takes all after `function` as *args)
+_RUN_HEAD = ('gridX', 'gridY', 'gridZ', 'stream', 'function')
+_RUN_REST = ('kernel_metadata', 'launch_metadata', 'launch_enter_hook', 'launch_exit_hook')
+_STUB = [False]  # stub_launches() is active
+
+
+def _cuda_stream(device: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device)  # what triton's driver asks: the current stream
+
+
+def _no_stream(device) -> int:
+    return 0
+
+
+class Launcher:
+    """``kernel[grid](*args, **consts)``, with ``key`` through the compiled kernel kept for it. ``args``: the
+    runtime arguments in the kernel's order; ``consts``: its constexprs by name, then options (num_warps)."""
+    __slots__ = ('kernel', 'cache', 'name')
+
+    def __init__(self, kernel):
+        self.kernel, self.cache = kernel, {}
+        self.name = getattr(kernel, '__name__', repr(kernel))
+
+    def __call__(self, grid, args, consts, key=None):
+        if key is not None:
+            fast = self.cache.get(key)
+            if fast is not None:
+                return fast(grid, args)
+        return self._launch(grid, args, consts, key)
+
+    def _launch(self, grid, args, consts, key):
+        if _STUB[0]:
+            compiled = _StubCompiled()
+        else:
+            compiled = self.kernel[grid](*args, **consts)
+        if key is not None:
+            fast = direct(self.kernel, compiled, len(args), consts, key[0])
+            if fast is not None:
+                self.cache[key] = fast
+        return None
+
+
+def direct(kernel, compiled, nargs: int, consts: dict, device):
+    """A function (grid, args) calling ``compiled``'s launcher directly, or None where that is not what
+    ``kernel[grid]`` would do: no compiled kernel (the interpreter), a launch hook set, a launcher of another
+    shape (another Triton), constexprs not after the runtime arguments. ``device``: the CUDA device index the
+    kernel was compiled for (its current stream is asked per launch), -1 for the CPU (stubbed launches)."""
+    if compiled is None:
+        return None
+    try:
+        from triton import knobs
+        if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+            return None
+    except (ImportError, AttributeError):  # an older triton: no knobs
+        return None
+    names = getattr(kernel, 'arg_names', None)
+    try:
+        run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
+        tail = tuple(consts[n] for n in names[nargs:])  # the constexprs' values in the kernel's order
+    except (AttributeError, KeyError, TypeError):
+        return None
+    if not launcher_fits(run):
+        return None
+    stream = _cuda_stream if device >= 0 else _no_stream
+
+    def fast(grid, args):
+        run(grid[0], grid[1], grid[2], stream(device), function, packed, None, None, None, *args, *tail)
+    return fast
+
+
+def launcher_fits(run) -> bool:
+    """Whether ``run`` (a compiled kernel's launcher) takes the arguments as triton 3.6/3.7's do."""
+    call = run if inspect.isfunction(run) or inspect.ismethod(run) else getattr(type(run), '__call__', None)
+    if call is None:
+        return False
+    try:
+        params = list(inspect.signature(call).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if params and params[0].name == 'self':
+        params = params[1:]
+    names = tuple(p.name for p in params)
+    if names[:5] != _RUN_HEAD or not params[-1].kind == inspect.Parameter.VAR_POSITIONAL:
+        return False
+    return names[5:-1] in ((), _RUN_REST)
+
+
+class _StubCompiled:
+    """What a stubbed launch returns: a compiled kernel whose launcher does nothing."""
+    function, packed_metadata = 0, None
+
+    @staticmethod
+    def run(gridX, gridY, gridZ, stream, function, *args):
+        return None
+
+
+@contextlib.contextmanager
+def stub_launches():
+    """Every launch a no-op while active (the driver call replaced; nothing runs): the host cost of a step on a
+    machine without a GPU. What was kept meanwhile is forgotten after (:func:`clear`)."""
+    clear()  # nothing compiled before runs meanwhile
+    _STUB[0] = True
+    try:
+        yield
+    finally:
+        _STUB[0] = False
+        clear()
+
+
+_ALL = []
+
+
+def launcher(kernel) -> Launcher:
+    """The :class:`Launcher` of ``kernel`` (one per kernel, module level)."""
+    out = Launcher(kernel)
+    _ALL.append(out)
+    return out
+
+
+def clear() -> None:
+    """Forget every kept compiled kernel (a launch hook installed later is then seen)."""
+    for one in _ALL:
+        one.cache.clear()
