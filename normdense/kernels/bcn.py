@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import CHUNK, BlockSums, cdiv, group_tiles, rsqrt, sample_blocks, split_sum, stacked
+from .common import CHUNK, BlockSums, cdiv, group_tiles, rsqrt, sample_blocks, split_sum
 from .first_stage import FOLD_SIZES, fold, fold_args
 from .launch import launcher
 
@@ -302,8 +302,7 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups: int, eps
         m, v, mean, var = m.contiguous(), v.contiguous(), mean.contiguous(), var.contiguous()
     n, c = m.shape
     per, grid, _, _, consts = _launch_plan(n, c, num_groups, eps, group_affine, False, False, chunk, tile)
-    ab = stacked(2, n, c, m)
-    a_out, b_out = ab[0], ab[1]
+    a_out, b_out = m.new_empty(n, c), m.new_empty(n, c)
     fargs, fconst = fold_args(first, m)
     key = None if first is None or first.key is None else first.key + (
         n, c, num_groups, eps, group_affine, chunk, tile, bw.dtype, bb.dtype, w.dtype, b.dtype)
@@ -327,8 +326,7 @@ def coeff_vjp(res, grads, wants_stats, *, num_groups: int, eps: float, group_aff
     n, c = m.shape
     per, grid, blocks, n_per, consts = _launch_plan(n, c, num_groups, eps, group_affine, True, bool(wants_stats),
                                                     chunk, tile)
-    dmv = stacked(2, n, c, m)
-    dm, dv = dmv[0], dmv[1]
+    dm, dv = m.new_empty(n, c), m.new_empty(n, c)
     out = BlockSums(blocks, m, (bw, bb, w, b), wants_stats)
     dbw, dbb, dw, db, dmean, dvar = out.slots
     gsplit, gstride = (ga.shape[0], ga.stride(0)) if ga.dim() == 3 else (1, 0)

@@ -31,14 +31,6 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-def stacked(count: int, n: int, c: int, like: torch.Tensor):
-    """``count`` uninitialized (n, c) tensors like ``like``, indexable [0 .. count): one allocation where each
-    starts 16-byte aligned (a pointer's alignment is part of a kernel's specialization), else one each."""
-    if n * c * like.dtype.itemsize & 15:
-        return [like.new_empty((n, c)) for _ in range(count)]
-    return like.new_empty((count, n, c))
-
-
 def acc_dtype(dtype: torch.dtype):
     """The kernels' accumulation dtype: float64 for float64 inputs, else float32."""
     return tl.float64 if dtype == torch.float64 else tl.float32
@@ -209,8 +201,7 @@ class BlockSums(PendingSums):
         self.blocks, self.done = blocks, blocks == 1
         if blocks == 1:  # final values, written in the parameters' dtypes by the kernel: no cast launch
             self.params = [None if p is None else torch.empty_like(p) for p in params]
-            st = m.new_empty(2, c) if stats else None
-            self.stats = (st[0], st[1]) if stats else (None, None)
+            self.stats = (m.new_empty(c), m.new_empty(c)) if stats else (None, None)
             self.stride = 0
             self.part = self.out = None
             slots = self.params + list(self.stats)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .backend import STATS_BATCH, STATS_ESTIMATE, STATS_NONE
-from .common import acc_dtype, cdiv, from_hi_lo, hi_lo, next_pow2, stacked
+from .common import acc_dtype, cdiv, from_hi_lo, hi_lo, next_pow2
 
 
 @triton.jit
@@ -175,22 +175,15 @@ class FirstStage:
     def __init__(self, part, split, chunk, shape, mode=STATS_NONE, stat_mean=None, stat_var=None, base=None,
                  rate=0.0, momentum=0.1, write=False, nbt=None, key=None):
         n, c, length = shape
-        dt, dev = part.dtype, part.device
-        mv = stacked(2, n, c, part)  # part: the compute dtype and device
-        m, v = mv[0], mv[1]
-        mean = var = moved = upd = None
-        if mode != STATS_NONE and c * dt.itemsize & 15:  # rows not 16-byte aligned: one allocation each
-            mean, var = torch.empty(c, dtype=dt, device=dev), torch.empty(c, dtype=dt, device=dev)
-            moved = torch.empty(2, c, dtype=dt, device=dev) if mode == STATS_ESTIMATE else None
-            upd = torch.empty(2, c, dtype=dt, device=dev) if write else None
-        elif mode != STATS_NONE:  # mean, var (C,), then ESTIMATE's moved and the update (2, C): one allocation
-            rows = 2 + (2 if mode == STATS_ESTIMATE else 0) + (2 if write else 0)
-            per = torch.empty(rows, c, dtype=dt, device=dev)
-            mean, var = per[0], per[1]
-            moved = per[2:4] if mode == STATS_ESTIMATE else None
-            upd = per[rows - 2:] if write else None
-        elif write:
-            upd = torch.empty(2, c, dtype=dt, device=dev)
+        dt = part.dtype
+        # one allocation each, integer sizes: cheaper on the host than views of a shared one
+        m, v = part.new_empty(n, c), part.new_empty(n, c)
+        mean = var = moved = None
+        if mode != STATS_NONE:
+            mean, var = part.new_empty(c), part.new_empty(c)
+        if mode == STATS_ESTIMATE:
+            moved = part.new_empty(2, c)
+        upd = part.new_empty(2, c) if write else None
         self.outputs = (m, v, mean, var, moved, upd)
         self.mode, self.cumulative = mode, mode == STATS_BATCH and momentum is None
         self.shape, self.dtype, self.acc = (n, c, length), dt, acc_dtype(dt)

@@ -68,16 +68,20 @@ class Launcher:
 
 def direct(kernel, compiled, nargs: int, consts: dict, device):
     """A function (grid, args) calling ``compiled``'s launcher directly, or None where that is not what
-    ``kernel[grid]`` would do: no compiled kernel (the interpreter), a launch hook set, a launcher of another
-    shape (another Triton), constexprs not after the runtime arguments. ``device``: the CUDA device index the
-    kernel was compiled for (its current stream is asked per launch), -1 for the CPU (stubbed launches)."""
+    ``kernel[grid]`` would do: no compiled kernel (the interpreter), a launcher of another shape (another
+    Triton), constexprs not after the runtime arguments. While a launch hook is set (a profiler: triton's
+    ``knobs.runtime.launch_enter_hook`` chain not empty) it launches through ``kernel[grid]``. ``device``: the
+    CUDA device index the kernel was compiled for (its current stream is asked per launch), -1 for the CPU
+    (stubbed launches)."""
     if compiled is None:
         return None
     try:
         from triton import knobs
-        if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
-            return None
-    except (ImportError, AttributeError):  # an older triton: no knobs
+        runtime = knobs.runtime
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    except (ImportError, AttributeError):  # an older triton: no hook chains
+        return None
+    if not _chain(enter) or not _chain(leave):
         return None
     names = getattr(kernel, 'arg_names', None)
     try:
@@ -90,8 +94,17 @@ def direct(kernel, compiled, nargs: int, consts: dict, device):
     stream = _cuda_stream if device >= 0 else _no_stream
 
     def fast(grid, args):
+        if runtime.launch_enter_hook is not enter or enter.calls or runtime.launch_exit_hook is not leave \
+                or leave.calls:  # a hook now: the launch that calls it
+            kernel[grid](*args, **consts)
+            return
         run(grid[0], grid[1], grid[2], stream(device), function, packed, None, None, None, *args, *tail)
     return fast
+
+
+def _chain(hook) -> bool:
+    """Whether ``hook`` is triton's hook chain (3.6, 3.7: a HookChain, empty unless a profiler added one)."""
+    return isinstance(getattr(hook, 'calls', None), list)
 
 
 def launcher_fits(run) -> bool:
@@ -131,6 +144,11 @@ def stub_launches():
     finally:
         _STUB[0] = False
         clear()
+
+
+def stubbed() -> bool:
+    """Whether :func:`stub_launches` is active (the engine then caches launches on CPU tensors too)."""
+    return _STUB[0]
 
 
 _ALL = []

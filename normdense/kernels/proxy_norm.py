@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .activations import act_args, act_forward, act_grad
-from .common import CHUNK, BlockSums, cdiv, group_tiles, next_pow2, rsqrt, sample_blocks, split_sum, stacked
+from .common import CHUNK, BlockSums, cdiv, group_tiles, next_pow2, rsqrt, sample_blocks, split_sum
 from .first_stage import FOLD_SIZES, fold, fold_args
 from .launch import launcher
 
@@ -355,8 +355,7 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups, eps, act
     per, (grid, consts), _ = _config(m, num_groups, quantiles, act, act_kwargs, chunk, tile, eps, proxy_eps,
                                      proxy_scaling, proxy_affine)
     n, c = m.shape
-    out = stacked(4, n, c, m)
-    a, b, k, l_ = out[0], out[1], out[2], out[3]
+    a, b, k, l_ = m.new_empty(n, c), m.new_empty(n, c), m.new_empty(n, c), m.new_empty(n, c)
     pb, pg = (proxy_beta, proxy_gamma) if proxy_affine else (weight, weight)  # not read without proxy_affine
     fargs, fconst = fold_args(first, m)
     key = None if first is None or first.key is None else first.key + (
@@ -381,8 +380,7 @@ def coeff_vjp(res, grads, wants_stats, *, num_groups, eps, act, act_kwargs, prox
     per, _, (grid, sb, n_per, consts) = _config(m, num_groups, quantiles, act, act_kwargs, chunk, tile, eps,
                                                 proxy_eps, proxy_scaling, proxy_affine)
     n, c = m.shape
-    dmv = stacked(2, n, c, m)
-    dm, dv = dmv[0], dmv[1]
+    dm, dv = m.new_empty(n, c), m.new_empty(n, c)
     out = BlockSums(sb, m, (weight, bias) + ((proxy_beta, proxy_gamma) if proxy_affine else (None, None)), False)
     dw, db, dpb, dpg = out.slots[:4]
     pb, pg = (proxy_beta, proxy_gamma) if proxy_affine else (weight, weight)

@@ -110,18 +110,25 @@ def _geometry(n, c, length, cl, dtype, narrowest, split):
     return Geometry((n * c, split, 1), chunk, block, 1, vec, False, length < vec)
 
 
-def _geom(x3, cl, *others, split=None):
+def _geom(x3, cl, other, split=None):
+    """The geometry of a pass over x3 with the activation tensor ``other`` (y or dy): one dict lookup."""
     n, c, length = x3.shape
     size = x3.dtype.itemsize
-    for t in others:
-        size = min(size, t.dtype.itemsize)
-    return geometry(n, c, length, cl, x3.dtype, size, split)
+    if other.dtype.itemsize < size:
+        size = other.dtype.itemsize
+    key = (n, c, length, cl, x3.dtype, size, split)
+    g = _GEOMETRY.get(key)
+    if g is None:
+        g = _GEOMETRY[key] = _geometry(*key)
+    return g
 
 
 def _plan(x3: torch.Tensor, *others, split=None):
     """Launch geometry of a pass over x3 (read layout) with the activation tensors ``others`` (dy, y):
     dict(grid, CHUNK and the constexprs BLOCK, BLOCK_C, V, CL[, SMALL]); ``split``: as :func:`split_for`."""
-    g = _geom(x3, channels_last(x3), *others, split=split)
+    n, c, length = x3.shape
+    size = min([x3.dtype.itemsize] + [t.dtype.itemsize for t in others])
+    g = geometry(n, c, length, channels_last(x3), x3.dtype, size, split)
     return dict(grid=g.grid[:2], CHUNK=g.chunk, BLOCK=g.block, BLOCK_C=g.block_c, V=g.v, CL=g.cl, SMALL=g.small)
 
 
@@ -142,9 +149,10 @@ def moment_partials(x3: torch.Tensor, split=None, key=None):
 
 def _moment_partials(x3, cl, split=None, key=None):
     n, c, length = x3.shape
-    g = geometry(n, c, length, cl, x3.dtype, x3.dtype.itemsize, split)
-    acc = torch.float64 if x3.dtype == torch.float64 else torch.float32
-    part = torch.empty(g.grid[1], 2, n * c, dtype=acc, device=x3.device)
+    g = _geom(x3, cl, x3, split)
+    # new_empty with integers: a tuple or a dtype keyword costs the host twice as much
+    part = x3.new_empty(g.grid[1], 2, n * c) if x3.dtype == torch.float32 or x3.dtype == torch.float64 else \
+        x3.new_empty(g.grid[1], 2, n * c, dtype=torch.float32)
     _MOMENTS(g.grid, (x3, part, n * c, c, length, g.chunk),
              {'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v, 'CL': cl, 'ACC': acc_dtype(x3.dtype)},
              _key(key, g, x3.shape, x3.dtype))
@@ -179,8 +187,8 @@ def apply(x3, m, v, coeffs, act=None, out_dtype=None, write=None, nbt=None, spli
 
 def _apply(x3, cl, m, v, coeffs, act, out_dtype, write, nbt, split=None, key=None):
     act_id = act[0]
-    y = torch.empty_like(x3, dtype=out_dtype or x3.dtype)
-    g = _geom(x3, cl, y, split=split)
+    y = torch.empty_like(x3) if out_dtype is None or out_dtype == x3.dtype else torch.empty_like(x3, dtype=out_dtype)
+    g = _geom(x3, cl, y, split)
     a, b = coeffs[0], coeffs[1]
     k, l_ = (coeffs[2], coeffs[3]) if act_id >= 0 else (a, b)
     upd, rm, rv = write if write is not None else (m, m, m)
@@ -208,16 +216,16 @@ def _sums(x3, cl, dy, m, v, coeffs, act, merged=True, split=None, key=None):
     n, c, length = x3.shape
     act_id = act[0]
     count = 2 if act_id < 0 else 4
-    g = _geom(x3, cl, dy, split=split)
+    g = _geom(x3, cl, dy, split)
     split = g.grid[1]
-    part = torch.empty(split, count, n * c, dtype=m.dtype, device=x3.device)
+    part = m.new_empty(split, count, n * c)
     a, b = coeffs[0], coeffs[1]
     k = coeffs[2] if act_id >= 0 else a
     _SUMS(g.grid, (x3, dy, part, m, v, a, b, k, n * c, c, length, g.chunk, *act[1:5]),
           {'ACT': act_id, 'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v, 'CL': cl, 'ACC': acc_dtype(x3.dtype)},
           _key(key, g, x3.shape, x3.dtype, dy.dtype, m.dtype, a.dtype, b.dtype, k.dtype, act_id))
-    if not merged:
-        return [part[:, i].view(split, n, c) for i in range(count)]
+    if not merged:  # the chunks' partials of each sum: (SPLIT, N, C) each
+        return part.view(split, count, n, c).unbind(1)
     if split > 1:
         out = torch.empty(count, n * c, dtype=m.dtype, device=x3.device)
         size = count * n * c
@@ -244,7 +252,7 @@ def _dx(x3, cl, dy, m, v, coeffs, dm, dv, gsum, act, batch=None, finish=None, sp
         finish_block=FINISH_BLOCK.value, key=None):
     act_id = act[0]
     out = torch.empty_like(x3)
-    g = _geom(x3, cl, dy, split=split)
+    g = _geom(x3, cl, dy, split)
     a, b = coeffs[0], coeffs[1]
     k = coeffs[2] if act_id >= 0 else a
     mean, dmean, dvar, scale = batch if batch is not None else (m, m, m, 0.0)
@@ -277,9 +285,9 @@ class TritonBackend:
     def first_stage(x3, request: StatsRequest, deferred: bool = True):
         """The chunks' moments (one launch); the first stage planned for the coefficient map's launch
         (``deferred``), or merged now in the stats kernel (where torch code reads m, v first: ``sync_stats``)."""
-        x3 = as_read(x3)  # (N, C, L) rows or channels_last (N, L, C) in place, else a copy
-        partials, split, chunk = moment_partials(x3, key=request.key)
+        x3, cl = read_layout(x3)  # (N, C, L) rows or channels_last (N, L, C) in place, else a copy
         r = request
+        partials, split, chunk = _moment_partials(x3, cl, None, r.key)
         plan = FirstStage(partials, split, chunk, x3.shape, r.mode, r.stat_mean, r.stat_var, r.base, r.rate,
                           r.momentum, r.write, r.nbt, r.key)
         m, v, mean, var, moved, upd = plan.outputs if deferred else plan.launch()
@@ -291,27 +299,29 @@ class TritonBackend:
 
     @staticmethod
     def apply(x3, stats: Statistics, coeffs, act=None, out_dtype=None):
-        pc = TritonBackend.prepare(coeffs, stats.v)
+        pc = coeffs if stats.plan is not None else TritonBackend.prepare(coeffs, stats.v)  # kernel maps' own
         request = stats.request
         write = None if stats.update is None else (stats.update, request.stat_mean, request.stat_var)
-        return apply(x3, stats.m, stats.v, pc, act, out_dtype, write, request.nbt, key=request.key), pc
+        return _apply(x3, not x3.is_contiguous(), stats.m, stats.v, pc, _act(act), out_dtype, write, request.nbt,
+                      None, request.key), pc
 
     @staticmethod
     def grad_layout(dy, x3):
         """dy in x3's layout, in whatever dtype it came (the kernels read it as it is: no cast pass)."""
-        return like(dy, x3)
+        return like(dy, x3, not x3.is_contiguous())
 
     @staticmethod
     def sums(x3, dy, stats: Statistics, pc, act=None, merged=True):
         """The coefficients' gradients, each (N, C), or (``merged`` False) the chunks' (SPLIT, N, C) partials that
         the layers' Triton VJP kernels and dx add as they load them."""
-        return sums(x3, dy, stats.m, stats.v, pc, act, merged=merged, key=_dy_key(stats.request.key, dy)), None
+        return _sums(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, _act(act), merged, None,
+                     _dy_key(stats.request.key, dy)), None
 
     @staticmethod
     def dx(x3, dy, stats: Statistics, pc, dm, dv, gsum, act=None, batch=None, state=None, pending=None):
         """dx; ``pending``: a layer VJP's ``common.BlockSums`` (large N), summed in this launch."""
-        return dx(x3, dy, stats.m, stats.v, pc, dm.contiguous(), dv.contiguous(), gsum, act, batch, pending,
-                  key=_dy_key(stats.request.key, dy))
+        return _dx(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, dm.contiguous(), dv.contiguous(), gsum,
+                   _act(act), batch, pending, None, FINISH_BLOCK.value, _dy_key(stats.request.key, dy))
 
     @staticmethod
     def guard(t):

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import BlockSums, cdiv, from_hi_lo, hi_lo, next_pow2, rsqrt, sample_blocks, split_sum, stacked
+from .common import BlockSums, cdiv, from_hi_lo, hi_lo, next_pow2, rsqrt, sample_blocks, split_sum
 from .first_stage import FOLD_SIZES, fold, fold_args
 from .launch import launcher
 
@@ -225,11 +225,8 @@ def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None,
     if first is None:  # the planned stage's outputs are contiguous allocations
         m, v, mean, var = m.contiguous(), v.contiguous(), mean.contiguous(), var.contiguous()
     grid, consts = _launch_plan(N, C, m.dtype, affine, False)[:2]
-    out = stacked(2, N, C, m)
-    a, b_out = out[0], out[1]
-    lead = -(-N // 4) * 4  # rs 16-byte aligned after p
-    prs = m.new_empty(lead + C)  # p (N,), rs (C,): one allocation
-    p, rs = prs[:N], prs[lead:]
+    a, b_out = m.new_empty(N, C), m.new_empty(N, C)
+    p, rs = m.new_empty(N), m.new_empty(C)
     split = _scalars(eps, positions, count, n, norm_divisor, var_correction)
     fargs, fconst = fold_args(first, m)
     key = None if first is None or first.key is None else first.key + (
@@ -252,8 +249,7 @@ def coeff_vjp(res, grads, wants_stats, *, affine, defer=False):
         ga, gb = ga.contiguous(), gb.contiguous()
     N, C = m.shape
     _, _, grid, blocks, n_per, consts = _launch_plan(N, C, m.dtype, affine, bool(wants_stats))
-    dme = stacked(2, N, C, m)
-    dm, de = dme[0], dme[1]
+    dm, de = m.new_empty(N, C), m.new_empty(N, C)
     out = BlockSums(blocks, m, (alpha, w, w if affine else None), wants_stats)
     dalpha, dw, db, dmean, dvar = out.slots
     gsplit, gstride = (ga.shape[0], ga.stride(0)) if ga.dim() == 3 else (1, 0)

@@ -61,10 +61,12 @@ def mark_on_backward(grad) -> None:
     mark_iteration()
 
 
+_TASK_ID = getattr(torch._C, '_current_graph_task_id', None)
+
+
 def in_backward() -> bool:
     """True while autograd runs a backward on this thread: a forward then is a checkpoint's recomputation."""
-    task = getattr(torch._C, '_current_graph_task_id', None)
-    return task is not None and task() != -1
+    return _TASK_ID is not None and _TASK_ID() != -1
 
 
 class _Iteration:
@@ -108,7 +110,7 @@ class Estimates:
             return st, True
         if st is None or st.token != _TOKEN[0]:
             rm, rv, nbt = buffers
-            base = rm.new_empty((2, ) + tuple(rm.shape)) if deferred else torch.stack([rm.detach(), rv.detach()])
+            base = rm.new_empty(2, rm.shape[0]) if deferred else torch.stack([rm.detach(), rv.detach()])
             st = self.iteration = _Iteration(_TOKEN[0], base, rate())
             if not deferred and nbt is not None:
                 nbt.add_(1)

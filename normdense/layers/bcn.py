@@ -201,7 +201,11 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
         return self.mode == 'estimate' or not self.training or x.numel() // x.shape[1] > 1
 
     def _statnorm_params(self):
-        return self.batch_weight, self.batch_bias, self.weight, self.bias
+        try:  # from the dict: attribute access goes through Module.__getattr__, a Python call each
+            p = self._parameters
+            return p['batch_weight'], p['batch_bias'], p['weight'], p['bias']
+        except KeyError:  # a parametrized or replaced parameter
+            return self.batch_weight, self.batch_bias, self.weight, self.bias
 
     def _coeff_maps(self, triton: bool):
         cfg = BCNConfig(self.num_groups, self.eps, self.group_affine)

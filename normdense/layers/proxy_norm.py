@@ -257,7 +257,11 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
                          self.proxy_gamma)
 
     def _statnorm_params(self):
-        return self.weight, self.bias, self.proxy_beta, self.proxy_gamma
+        try:  # from the dict: attribute access goes through Module.__getattr__, a Python call each
+            p = self._parameters
+            return p['weight'], p['bias'], p['proxy_beta'], p['proxy_gamma']
+        except KeyError:  # a parametrized or replaced parameter
+            return self.weight, self.bias, self.proxy_beta, self.proxy_gamma
 
     def _statnorm_act(self):
         return activation(self.act, self.act_kwargs)

@@ -199,7 +199,11 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
         return self._watch(self._unitize(xf, mean, var, self.alpha, self.weight, self.bias).to(x.dtype))
 
     def _statnorm_params(self):
-        return self.alpha, self.weight, self.bias
+        try:  # from the dict: attribute access goes through Module.__getattr__, a Python call each
+            p = self._parameters
+            return p['alpha'], p['weight'], p['bias']
+        except KeyError:  # a parametrized or replaced parameter
+            return self.alpha, self.weight, self.bias
 
     def _config(self) -> 'UnitizationConfig':
         return UnitizationConfig(self.eps, self.affine, self.n, self.norm_divisor, self.var_correction)
