@@ -190,8 +190,9 @@ class AtenBackend:
         return PassCoeffs(tuple(coeffs), (coeffs[0] * live, ) + tuple(coeffs[1:]), live)
 
     @staticmethod
-    def apply(x3, stats: Statistics, coeffs, act=None, out_dtype=None):
-        """(y, pc), y written into ``stats.out`` (the moments' output storage) when there is one."""
+    def apply(x3, stats: Statistics, coeffs, act=None, out_dtype=None, out=None):
+        """(y, pc), y written into ``stats.out`` (the moments' output storage) when there is one (``out`` is not
+        taken: the engine makes its own output of y)."""
         pc = AtenBackend.prepare(coeffs, stats.v)
         m, buf = stats.m, stats.out
         a, b = pc.centred[0], pc.centred[1]

@@ -243,10 +243,11 @@ class Backend(Protocol):
     def prepare(self, coeffs: tuple, v: Tensor) -> Any:
         """The coefficients as the passes take them."""
 
-    def apply(self, x3: Tensor, stats: Statistics, coeffs: tuple, act=None,
-              out_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Any]:
+    def apply(self, x3: Tensor, stats: Statistics, coeffs: tuple, act=None, out_dtype: Optional[torch.dtype] = None,
+              out: Optional[Tensor] = None) -> Tuple[Tensor, Any]:
         """(y, pc): y = the map of x3 in ``out_dtype``, then the module's state written (``stats.update`` into the
-        request's buffers, nbt counted): the forward's last step."""
+        request's buffers, nbt counted): the forward's last step. ``out``: storage y may take (x3's shape, layout
+        and ``out_dtype``: a view of the layer's output), or None."""
 
     def grad_layout(self, dy: Tensor, x3: Tensor) -> Tensor:
         """dy as the backward passes read it."""

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .common import CHUNK, BlockSums, cdiv, group_tiles, rsqrt, sample_blocks, split_sum
-from .first_stage import FOLD_SIZES, fold, fold_args
+from .first_stage import FOLD_SIZES, fold, fold_args, fold_consts
 from .launch import launcher
 
 _CHANNELS = 128  # channels (whole groups) of a tile when the groups are small
@@ -303,11 +303,11 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups: int, eps
     n, c = m.shape
     per, grid, _, _, consts = _launch_plan(n, c, num_groups, eps, group_affine, False, False, chunk, tile)
     a_out, b_out = m.new_empty(n, c), m.new_empty(n, c)
-    fargs, fconst = fold_args(first, m)
-    key = None if first is None or first.key is None else first.key + (
-        n, c, num_groups, eps, group_affine, chunk, tile, bw.dtype, bb.dtype, w.dtype, b.dtype)
-    _MAP(grid, (m, v, mean, var, bw, bb, w, b, a_out, b_out, n, c, num_groups, per, *fargs), {**fconst, **consts},
-         key)
+    fargs, fconst = fold_args(None, m) if first is None else (first.fold, None)  # its constexprs on a miss
+    key = None if first is None else first.key  # the call's (``launch.Launcher``)
+    args = (m, v, mean, var, bw, bb, w, b, a_out, b_out, n, c, num_groups, per, *fargs)
+    if key is None or not _MAP.hit(grid, args, key):
+        _MAP.launch(grid, args, {**(fconst or fold_consts(first)), **consts}, key)
     return (a_out, b_out), (m, v, mean, var, bw, bb, w, b, key)
 
 
@@ -330,7 +330,8 @@ def coeff_vjp(res, grads, wants_stats, *, num_groups: int, eps: float, group_aff
     out = BlockSums(blocks, m, (bw, bb, w, b), wants_stats)
     dbw, dbb, dw, db, dmean, dvar = out.slots
     gsplit, gstride = (ga.shape[0], ga.stride(0)) if ga.dim() == 3 else (1, 0)
-    _VJP(grid, (m, v, mean, var, bw, bb, w, ga, gb, dm, dv, dmean, dvar, dbw, dbb, dw, db, n, c, num_groups, per,
-                gsplit, gstride, n_per, out.stride), consts,
-         None if key is None else key + (bool(wants_stats), ga.dtype, gb.dtype, gsplit > 1))
+    args = (m, v, mean, var, bw, bb, w, ga, gb, dm, dv, dmean, dvar, dbw, dbb, dw, db, n, c, num_groups, per, gsplit,
+            gstride, n_per, out.stride)
+    if key is None or not _VJP.hit(grid, args, key):  # the forward's key: the VJP's arguments follow from it
+        _VJP.launch(grid, args, consts, key)
     return (dm, dv) + out.result(defer)

@@ -186,18 +186,15 @@ class FirstStage:
         upd = part.new_empty(2, c) if write else None
         self.outputs = (m, v, mean, var, moved, upd)
         self.mode, self.cumulative = mode, mode == STATS_BATCH and momentum is None
-        self.shape, self.dtype, self.acc = (n, c, length), dt, acc_dtype(dt)
+        self.shape, self.dtype, self.acc = (n, c, length), dt, tl.float64 if dt == torch.float64 else tl.float32
         f = m  # the unused pointers' stand-in (no generator: this runs on every training call)
         self.args = (part, m, v, f if mean is None else mean, f if var is None else var,
                      f if stat_mean is None else stat_mean, f if stat_var is None else stat_var,
                      f if base is None else base, f if moved is None else moved, f if upd is None else upd,
                      f if nbt is None else nbt, *hi_lo(rate), *hi_lo(0.0 if momentum is None else momentum))
         self.sizes = (length, chunk, split, int(bool(write)))
-        # what the fold's arguments add to a map kernel's launch-cache key (their dtypes; shapes are the map's)
-        self.key = None if key is None else key + (
-            mode, self.cumulative, dt, None if stat_mean is None else stat_mean.dtype,
-            None if stat_var is None else stat_var.dtype, None if base is None else base.dtype,
-            None if nbt is None else nbt.dtype)
+        self.fold = (self.args, ) + self.sizes  # a map kernel's runtime fold arguments (F, fL, fCHUNK, fSPLIT, fWRITE)
+        self.key = key  # the call's launch-cache key, for the map kernel that runs this stage
 
     def launch(self):
         """The standalone stats kernel: one program per block of channels."""
@@ -210,6 +207,12 @@ class FirstStage:
 
 
 FOLD_SIZES = ['fL', 'fCHUNK', 'fSPLIT', 'fWRITE']  # a map kernel's fold parameters after F: do_not_specialize
+
+
+def fold_consts(first) -> dict:
+    """The constexprs of a coefficient kernel's fold: ``first`` (a :class:`FirstStage`) folded in."""
+    block_n, block_c = stat_blocks(first.shape[1], first.dtype)
+    return dict(FOLD=True, FMODE=first.mode, FCUM=first.cumulative, FBLOCK_N=block_n, FBLOCK_C=block_c)
 
 
 def fold_args(first, like):

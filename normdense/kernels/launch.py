@@ -8,7 +8,9 @@ own launcher is kept under the key; later launches call it directly, as sglang's
 
 A key must determine Triton's specialization of the arguments: the tensors' dtypes and 16-byte alignment, the
 integers that are not ``do_not_specialize``, the constexprs and options, and the device: a key is a tuple whose
-first item is the device's index (-1 for a CPU tensor).
+first item is the device's index (-1 for a CPU tensor). The engine makes one per call (``layers/_statnorm.py``):
+the layer's plan, x's shape, strides and dtype, the parameters' dtypes and the first stage's mode; every kernel
+has its own cache, and each launches once per step.
 ``tests/kernels/test_launch.py`` checks every site's keys against Triton's own ``native_specialize_impl``.
 
 The normal launch is taken (nothing kept) without a key, under Triton's interpreter (no compiled kernel), while
@@ -30,49 +32,49 @@ _RUN_REST = ('kernel_metadata', 'launch_metadata', 'launch_enter_hook', 'launch_
 _STUB = [False]  # stub_launches() is active
 
 
-def _cuda_stream(device: int) -> int:
-    return torch._C._cuda_getCurrentRawStream(device)  # what triton's driver asks: the current stream
-
-
-def _no_stream(device) -> int:
-    return 0
+_no_stream = abs  # stubbed launches: a builtin as cheap as the CUDA query (its value is not read)
 
 
 class Launcher:
-    """``kernel[grid](*args, **consts)``, with ``key`` through the compiled kernel kept for it. ``args``: the
-    runtime arguments in the kernel's order; ``consts``: its constexprs by name, then options (num_warps)."""
+    """A kernel's launches: ``launch(grid, args, consts, key)`` is ``kernel[grid](*args, **consts)`` and keeps, under
+    ``key``, the compiled kernel's own launcher; ``hit(grid, args, key)`` launches through it where one is kept
+    (True) and does nothing otherwise (False): the caller builds ``consts`` only then. ``args``: the runtime
+    arguments in the kernel's order; ``consts``: its constexprs by name, then options (num_warps)."""
     __slots__ = ('kernel', 'cache', 'name')
 
     def __init__(self, kernel):
         self.kernel, self.cache = kernel, {}
         self.name = getattr(kernel, '__name__', repr(kernel))
 
-    def __call__(self, grid, args, consts, key=None):
-        if key is not None:
-            fast = self.cache.get(key)
-            if fast is not None:
-                return fast(grid, args)
-        return self._launch(grid, args, consts, key)
+    def hit(self, grid, args, key) -> bool:
+        d = self.cache.get(key)
+        if d is None:
+            return False
+        run, runtime, enter, leave = d[0], d[5], d[6], d[7]
+        if runtime.launch_enter_hook is not enter or enter.calls or runtime.launch_exit_hook is not leave \
+                or leave.calls:  # a hook now (a profiler): the launch that calls it
+            self.kernel[grid](*args, **d[9])
+            return True
+        run(grid[0], grid[1], grid[2], d[8](d[4]), d[1], d[2], None, None, None, *args, *d[3])
+        return True
 
-    def _launch(self, grid, args, consts, key):
-        if _STUB[0]:
-            compiled = _StubCompiled()
-        else:
-            compiled = self.kernel[grid](*args, **consts)
+    def __call__(self, grid, args, consts, key=None):
+        if key is None or not self.hit(grid, args, key):
+            self.launch(grid, args, consts, key)
+
+    def launch(self, grid, args, consts, key=None) -> None:
+        compiled = _StubCompiled() if _STUB[0] else self.kernel[grid](*args, **consts)
         if key is not None:
-            fast = direct(self.kernel, compiled, len(args), consts, key[0])
-            if fast is not None:
-                self.cache[key] = fast
-        return None
+            kept = direct(self.kernel, compiled, len(args), consts, key[0])
+            if kept is not None:
+                self.cache[key] = kept
 
 
 def direct(kernel, compiled, nargs: int, consts: dict, device):
-    """A function (grid, args) calling ``compiled``'s launcher directly, or None where that is not what
-    ``kernel[grid]`` would do: no compiled kernel (the interpreter), a launcher of another shape (another
-    Triton), constexprs not after the runtime arguments. While a launch hook is set (a profiler: triton's
-    ``knobs.runtime.launch_enter_hook`` chain not empty) it launches through ``kernel[grid]``. ``device``: the
-    CUDA device index the kernel was compiled for (its current stream is asked per launch), -1 for the CPU
-    (stubbed launches)."""
+    """What :meth:`Launcher.hit` needs to call ``compiled``'s launcher directly, or None where that is not what
+    ``kernel[grid]`` does: no compiled kernel (the interpreter), a launcher of another shape (another Triton),
+    constexprs not after the runtime arguments. ``device``: the CUDA device index the kernel was compiled for
+    (its current stream is asked per launch), -1 for the CPU (stubbed launches)."""
     if compiled is None:
         return None
     try:
@@ -91,15 +93,9 @@ def direct(kernel, compiled, nargs: int, consts: dict, device):
         return None
     if not launcher_fits(run):
         return None
-    stream = _cuda_stream if device >= 0 else _no_stream
-
-    def fast(grid, args):
-        if runtime.launch_enter_hook is not enter or enter.calls or runtime.launch_exit_hook is not leave \
-                or leave.calls:  # a hook now: the launch that calls it
-            kernel[grid](*args, **consts)
-            return
-        run(grid[0], grid[1], grid[2], stream(device), function, packed, None, None, None, *args, *tail)
-    return fast
+    # the current stream, as triton's driver asks it
+    stream = torch._C._cuda_getCurrentRawStream if device >= 0 else _no_stream
+    return (run, function, packed, tail, device, runtime, enter, leave, stream, dict(consts))
 
 
 def _chain(hook) -> bool:

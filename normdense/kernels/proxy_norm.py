@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .activations import act_args, act_forward, act_grad
 from .common import CHUNK, BlockSums, cdiv, group_tiles, next_pow2, rsqrt, sample_blocks, split_sum
-from .first_stage import FOLD_SIZES, fold, fold_args
+from .first_stage import FOLD_SIZES, fold, fold_args, fold_consts
 from .launch import launcher
 
 __all__ = ['coeff_map', 'coeff_vjp']
@@ -357,12 +357,11 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups, eps, act
     n, c = m.shape
     a, b, k, l_ = m.new_empty(n, c), m.new_empty(n, c), m.new_empty(n, c), m.new_empty(n, c)
     pb, pg = (proxy_beta, proxy_gamma) if proxy_affine else (weight, weight)  # not read without proxy_affine
-    fargs, fconst = fold_args(first, m)
-    key = None if first is None or first.key is None else first.key + (
-        n, c, num_groups, quantiles.numel(), consts['ACT'], consts['P0'], consts['P1'], chunk, tile, eps, proxy_eps,
-        proxy_scaling, proxy_affine, weight.dtype, bias.dtype, pb.dtype, pg.dtype, quantiles.dtype)
-    _MAP(grid, (m, v, weight, bias, pb, pg, quantiles, a, b, k, l_, n, c, num_groups, per, quantiles.numel(),
-                *fargs), {**fconst, **consts}, key)
+    fargs, fconst = fold_args(None, m) if first is None else (first.fold, None)  # its constexprs on a miss
+    key = None if first is None else first.key  # the call's (``launch.Launcher``)
+    args = (m, v, weight, bias, pb, pg, quantiles, a, b, k, l_, n, c, num_groups, per, quantiles.numel(), *fargs)
+    if key is None or not _MAP.hit(grid, args, key):
+        _MAP.launch(grid, args, {**(fconst or fold_consts(first)), **consts}, key)
     return (a, b, k, l_), (m, v, params, quantiles, key)
 
 
@@ -387,7 +386,8 @@ def coeff_vjp(res, grads, wants_stats, *, num_groups, eps, act, act_kwargs, prox
     strides = (*ga.stride()[-2:], *gb.stride()[-2:], *gk.stride()[-2:], *gl.stride()[-2:])  # (n, c); chunks' shared
     gsplit, gstride = (ga.shape[0], ga.stride(0)) if ga.dim() == 3 else (1, 0)
     # the strides are specialized integers (1, multiples of 16): part of the key
-    _VJP(grid, (m, v, weight, bias, pb, pg, quantiles, ga, gb, gk, gl, *strides, dm, dv, dw, db, dpb, dpg, n, c,
-                num_groups, per, quantiles.numel(), gsplit, gstride, n_per, out.stride), consts,
-         None if key is None else key + (strides, ga.dtype, gb.dtype, gk.dtype, gl.dtype))
+    args = (m, v, weight, bias, pb, pg, quantiles, ga, gb, gk, gl, *strides, dm, dv, dw, db, dpb, dpg, n, c, num_groups,
+            per, quantiles.numel(), gsplit, gstride, n_per, out.stride)
+    if key is None or not _VJP.hit(grid, args, key):  # the forward's key: the strides follow from it
+        _VJP.launch(grid, args, consts, key)
     return (dm, dv) + out.result(defer)

@@ -132,12 +132,6 @@ def _plan(x3: torch.Tensor, *others, split=None):
     return dict(grid=g.grid[:2], CHUNK=g.chunk, BLOCK=g.block, BLOCK_C=g.block_c, V=g.v, CL=g.cl, SMALL=g.small)
 
 
-def _key(key, *parts):
-    """A launch's cache key (``launch.Launcher``): the call's (device, ...) prefix and this site's parts, or None
-    (no prefix: the call's tensors were not all 16-byte aligned, or not the engine's call)."""
-    return None if key is None else key + parts
-
-
 # --- forward ------------------------------------------------------------------------------------------------
 def moment_partials(x3: torch.Tensor, split=None, key=None):
     """(partials (SPLIT, 2, N*C): each chunk's mean and centred sum of squares; SPLIT; CHUNK) of x3 (N, C, L);
@@ -153,9 +147,10 @@ def _moment_partials(x3, cl, split=None, key=None):
     # new_empty with integers: a tuple or a dtype keyword costs the host twice as much
     part = x3.new_empty(g.grid[1], 2, n * c) if x3.dtype == torch.float32 or x3.dtype == torch.float64 else \
         x3.new_empty(g.grid[1], 2, n * c, dtype=torch.float32)
-    _MOMENTS(g.grid, (x3, part, n * c, c, length, g.chunk),
-             {'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v, 'CL': cl, 'ACC': acc_dtype(x3.dtype)},
-             _key(key, g, x3.shape, x3.dtype))
+    args = (x3, part, n * c, c, length, g.chunk)
+    if key is None or not _MOMENTS.hit(g.grid, args, key):
+        _MOMENTS.launch(g.grid, args, {'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v, 'CL': cl,
+                                       'ACC': acc_dtype(x3.dtype)}, key)
     return part, g.grid[1], g.chunk
 
 
@@ -185,19 +180,23 @@ def apply(x3, m, v, coeffs, act=None, out_dtype=None, write=None, nbt=None, spli
     return _apply(x3, cl, m, v, coeffs, _act(act), out_dtype, write, nbt, split, key)
 
 
-def _apply(x3, cl, m, v, coeffs, act, out_dtype, write, nbt, split=None, key=None):
+def _apply(x3, cl, m, v, coeffs, act, out_dtype, write, nbt, split=None, key=None, out=None):
     act_id = act[0]
-    y = torch.empty_like(x3) if out_dtype is None or out_dtype == x3.dtype else torch.empty_like(x3, dtype=out_dtype)
+    if out is not None:  # the engine's (x3's shape and layout, out_dtype)
+        y = out
+    elif out_dtype is None or out_dtype == x3.dtype:
+        y = torch.empty_like(x3)
+    else:
+        y = torch.empty_like(x3, dtype=out_dtype)
     g = _geom(x3, cl, y, split)
     a, b = coeffs[0], coeffs[1]
     k, l_ = (coeffs[2], coeffs[3]) if act_id >= 0 else (a, b)
     upd, rm, rv = write if write is not None else (m, m, m)
-    _APPLY(g.grid, (x3, y, m, v, a, b, k, l_, upd, rm, rv, m if nbt is None else nbt, x3.shape[1], x3.shape[2],
-                    g.chunk, int(write is not None), int(nbt is not None), *act[1:5]),
-           {'ACT': act_id, 'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v, 'SMALL': g.small, 'CL': cl,
-            'ACC': acc_dtype(x3.dtype)},
-           _key(key, g, x3.shape, x3.dtype, y.dtype, m.dtype, a.dtype, b.dtype, k.dtype, l_.dtype, act_id,
-                None if write is None else (upd.dtype, rm.dtype, rv.dtype), None if nbt is None else nbt.dtype))
+    args = (x3, y, m, v, a, b, k, l_, upd, rm, rv, m if nbt is None else nbt, x3.shape[1], x3.shape[2], g.chunk,
+            int(write is not None), int(nbt is not None), act[1], act[2], act[3], act[4])
+    if key is None or not _APPLY.hit(g.grid, args, key):
+        _APPLY.launch(g.grid, args, {'ACT': act_id, 'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v, 'SMALL': g.small,
+                                     'CL': cl, 'ACC': acc_dtype(x3.dtype)}, key)
     return y
 
 
@@ -221,15 +220,16 @@ def _sums(x3, cl, dy, m, v, coeffs, act, merged=True, split=None, key=None):
     part = m.new_empty(split, count, n * c)
     a, b = coeffs[0], coeffs[1]
     k = coeffs[2] if act_id >= 0 else a
-    _SUMS(g.grid, (x3, dy, part, m, v, a, b, k, n * c, c, length, g.chunk, *act[1:5]),
-          {'ACT': act_id, 'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v, 'CL': cl, 'ACC': acc_dtype(x3.dtype)},
-          _key(key, g, x3.shape, x3.dtype, dy.dtype, m.dtype, a.dtype, b.dtype, k.dtype, act_id))
+    args = (x3, dy, part, m, v, a, b, k, n * c, c, length, g.chunk, act[1], act[2], act[3], act[4])
+    if key is None or not _SUMS.hit(g.grid, args, key):
+        _SUMS.launch(g.grid, args, {'ACT': act_id, 'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v, 'CL': cl,
+                                    'ACC': acc_dtype(x3.dtype)}, key)
     if not merged:  # the chunks' partials of each sum: (SPLIT, N, C) each
         return part.view(split, count, n, c).unbind(1)
     if split > 1:
-        out = torch.empty(count, n * c, dtype=m.dtype, device=x3.device)
+        out = m.new_empty(count, n * c)
         size = count * n * c
-        _MERGE((cdiv(size, 1024), 1, 1), (part, out, size, split), {'BLOCK': 1024}, _key(key, 'merge', size, m.dtype))
+        _MERGE((cdiv(size, 1024), 1, 1), (part, out, size, split), {'BLOCK': 1024}, key)
     else:
         out = part[0]
     return [t.view(n, c) for t in out.unbind(0)]
@@ -261,18 +261,19 @@ def _dx(x3, cl, dy, m, v, coeffs, dm, dv, gsum, act, batch=None, finish=None, sp
     bsplit, bstride = (dmean.shape[0], dmean.stride(0)) if batch is not None and dmean.dim() == 2 else (1, 0)
     src, dst, fin_p, fin_sb, fin_stride = finish.dx_args(g.grid[0], finish_block) if finish is not None else \
         (m, m, 0, 1, 0)
-    _DX(g.grid, (x3, dy, out, m, v, a, b, k, dm, dv, gsum, mean, dmean, dvar, src, dst, x3.shape[1], x3.shape[2],
-                 g.chunk, gsplit, gstride, bsplit, bstride, fin_p, fin_sb, fin_stride, *hi_lo(scale), *act[1:5]),
-        {'ACT': act_id, 'BATCH': batch is not None, 'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v,
-         'SMALL': g.small, 'CL': cl, 'ACC': acc_dtype(x3.dtype), 'FINISH': fin_p > 0},
-        _key(key, g, x3.shape, x3.dtype, dy.dtype, m.dtype, a.dtype, b.dtype, k.dtype, dm.dtype, dv.dtype, gsum.dtype,
-             mean.dtype, dmean.dtype, dvar.dtype, src.dtype, dst.dtype, act_id, batch is not None, fin_p > 0))
+    args = (x3, dy, out, m, v, a, b, k, dm, dv, gsum, mean, dmean, dvar, src, dst, x3.shape[1], x3.shape[2], g.chunk,
+            gsplit, gstride, bsplit, bstride, fin_p, fin_sb, fin_stride, *hi_lo(scale), act[1], act[2], act[3], act[4])
+    if key is None or not _DX.hit(g.grid, args, key):
+        _DX.launch(g.grid, args, {'ACT': act_id, 'BATCH': batch is not None, 'BLOCK': g.block, 'BLOCK_C': g.block_c,
+                                  'V': g.v, 'SMALL': g.small, 'CL': cl, 'ACC': acc_dtype(x3.dtype),
+                                  'FINISH': fin_p > 0}, key)
     return out
 
 
 def _dy_key(key, dy):
-    """The call's launch-cache prefix for the passes that read dy: None where dy is not 16-byte aligned."""
-    return None if key is None or dy.data_ptr() & 15 else key
+    """The call's launch-cache key for the passes that read dy (its dtype too): None where dy is not 16-byte
+    aligned."""
+    return None if key is None or dy.data_ptr() & 15 else key + (dy.dtype, )
 
 
 class TritonBackend:
@@ -285,7 +286,9 @@ class TritonBackend:
     def first_stage(x3, request: StatsRequest, deferred: bool = True):
         """The chunks' moments (one launch); the first stage planned for the coefficient map's launch
         (``deferred``), or merged now in the stats kernel (where torch code reads m, v first: ``sync_stats``)."""
-        x3, cl = read_layout(x3)  # (N, C, L) rows or channels_last (N, L, C) in place, else a copy
+        cl = False  # (N, C, L) rows or channels_last (N, L, C) in place, else a copy
+        if not x3.is_contiguous():
+            x3, cl = read_layout(x3)
         r = request
         partials, split, chunk = _moment_partials(x3, cl, None, r.key)
         plan = FirstStage(partials, split, chunk, x3.shape, r.mode, r.stat_mean, r.stat_var, r.base, r.rate,
@@ -298,12 +301,12 @@ class TritonBackend:
         return [c.contiguous() for c in coeffs]  # the kernels mask A where v = 0 themselves
 
     @staticmethod
-    def apply(x3, stats: Statistics, coeffs, act=None, out_dtype=None):
+    def apply(x3, stats: Statistics, coeffs, act=None, out_dtype=None, out=None):
         pc = coeffs if stats.plan is not None else TritonBackend.prepare(coeffs, stats.v)  # kernel maps' own
         request = stats.request
         write = None if stats.update is None else (stats.update, request.stat_mean, request.stat_var)
         return _apply(x3, not x3.is_contiguous(), stats.m, stats.v, pc, _act(act), out_dtype, write, request.nbt,
-                      None, request.key), pc
+                      None, request.key, out), pc
 
     @staticmethod
     def grad_layout(dy, x3):
@@ -314,14 +317,17 @@ class TritonBackend:
     def sums(x3, dy, stats: Statistics, pc, act=None, merged=True):
         """The coefficients' gradients, each (N, C), or (``merged`` False) the chunks' (SPLIT, N, C) partials that
         the layers' Triton VJP kernels and dx add as they load them."""
+        # the state for dx: whether the VJP was torch's (merged sums; its dm, dv may be strided)
         return _sums(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, _act(act), merged, None,
-                     _dy_key(stats.request.key, dy)), None
+                     _dy_key(stats.request.key, dy)), merged
 
     @staticmethod
     def dx(x3, dy, stats: Statistics, pc, dm, dv, gsum, act=None, batch=None, state=None, pending=None):
         """dx; ``pending``: a layer VJP's ``common.BlockSums`` (large N), summed in this launch."""
-        return _dx(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, dm.contiguous(), dv.contiguous(), gsum,
-                   _act(act), batch, pending, None, FINISH_BLOCK.value, _dy_key(stats.request.key, dy))
+        if state:  # the torch VJP's dm, dv (the kernel maps' are contiguous)
+            dm, dv = dm.contiguous(), dv.contiguous()
+        return _dx(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, dm, dv, gsum, _act(act), batch, pending, None,
+                   FINISH_BLOCK.value, _dy_key(stats.request.key, dy))
 
     @staticmethod
     def guard(t):

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .common import BlockSums, cdiv, from_hi_lo, hi_lo, next_pow2, rsqrt, sample_blocks, split_sum
-from .first_stage import FOLD_SIZES, fold, fold_args
+from .first_stage import FOLD_SIZES, fold, fold_args, fold_consts
 from .launch import launcher
 
 
@@ -228,11 +228,12 @@ def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None,
     a, b_out = m.new_empty(N, C), m.new_empty(N, C)
     p, rs = m.new_empty(N), m.new_empty(C)
     split = _scalars(eps, positions, count, n, norm_divisor, var_correction)
-    fargs, fconst = fold_args(first, m)
-    key = None if first is None or first.key is None else first.key + (
-        N, C, affine, alpha.dtype, w.dtype, b.dtype)
-    _MAP(grid, (m, v, mean, var, alpha, w if affine else alpha, b if affine else alpha, a, b_out, p, rs, N, C,
-                *split, *fargs), {**consts, **fconst}, key)
+    fargs, fconst = fold_args(None, m) if first is None else (first.fold, None)  # its constexprs on a miss
+    key = None if first is None else first.key  # the call's (``launch.Launcher``)
+    args = (m, v, mean, var, alpha, w if affine else alpha, b if affine else alpha, a, b_out, p, rs, N, C, *split,
+            *fargs)
+    if key is None or not _MAP.hit(grid, args, key):
+        _MAP.launch(grid, args, {**consts, **(fconst or fold_consts(first))}, key)
     return (a, b_out), (m, v, mean, rs, alpha, w if affine else None, p, split, key)
 
 
@@ -253,7 +254,8 @@ def coeff_vjp(res, grads, wants_stats, *, affine, defer=False):
     out = BlockSums(blocks, m, (alpha, w, w if affine else None), wants_stats)
     dalpha, dw, db, dmean, dvar = out.slots
     gsplit, gstride = (ga.shape[0], ga.stride(0)) if ga.dim() == 3 else (1, 0)
-    _VJP(grid, (m, v, mean, rs, alpha, w if affine else alpha, p, ga, gb, dm, de, dmean, dvar, dalpha, dw, db, N, C,
-                gsplit, gstride, n_per, out.stride, *split[2:]), consts,
-         None if key is None else key + (bool(wants_stats), ga.dtype, gb.dtype))
+    args = (m, v, mean, rs, alpha, w if affine else alpha, p, ga, gb, dm, de, dmean, dvar, dalpha, dw, db, N, C, gsplit,
+            gstride, n_per, out.stride, *split[2:])
+    if key is None or not _VJP.hit(grid, args, key):  # the forward's key: the VJP's arguments follow from it
+        _VJP.launch(grid, args, consts, key)
     return (dm, de) + out.result(defer)

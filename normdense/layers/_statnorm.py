@@ -14,6 +14,7 @@ Calls go one way: the layer's forward calls the engine once, the engine asks the
 (``kernels/backend.py``'s contract) for passes and its ``Estimates`` for the iteration's bookkeeping. docs/engine.md.
 """
 import contextlib
+import itertools
 import math
 from typing import Any, NamedTuple, Optional, Tuple
 
@@ -32,6 +33,7 @@ from ._distributed import synced_batch_moments, synced_batch_moments_vjp
 from ._estimate import Estimates, in_backward, mark_iteration, mark_on_backward
 
 _task_id = getattr(torch._C, '_current_graph_task_id', None)  # in_backward() without its two calls a step
+_DIST = dist.is_available()
 _unwrap_if_dead = getattr(getattr(torch._C, '_functorch', None), 'unwrap_if_dead', None)
 # attributes a layer sets per iteration or step: they do not change its plans
 _PER_CALL = frozenset(('training', 'current_rate'))
@@ -56,9 +58,11 @@ class _Plan(NamedTuple):
     maps: tuple  # (coeff_map, coeff_vjp) of the backend's kind
     torch_maps: tuple  # the layer's torch maps (all-reduced statistics, a failed compile's fallback)
     act: Any  # GN+PN's activation, or None
-    key: Optional[tuple]  # the launch-cache prefix (device,) where launches are cached, else None
+    device: Optional[int]  # where launches are cached (``launch.Launcher``): the CUDA index (-1: stubbed), else None
+    serial: int  # this plan's number in the process: part of each call's launch-cache key
     cuda: Optional[int]  # the CUDA device the launches need current (Triton), else None
     autocast: bool  # torch code runs between the passes: autocast off around them
+    direct: bool  # the kernel maps run: no torch code between the passes without collectives
 
 
 class _Call(NamedTuple):  # a NamedTuple: a frozen dataclass's __init__ costs 3x more per call
@@ -72,18 +76,26 @@ class _Call(NamedTuple):  # a NamedTuple: a frozen dataclass's __init__ costs 3x
     ends_iteration: bool  # estimate mode in training: the backward ends the iteration
 
 
-def _aligned(x3, params, buffers) -> bool:
-    """Whether every tensor a call hands the kernels from outside is 16-byte aligned (the launch cache's
-    compiled kernels assume what the first launch saw; ours are allocated aligned)."""
+_SERIAL = itertools.count()
+
+
+def _launch_key(device, serial, x3, params):
+    """The call's launch-cache key (``kernels/launch.py``): what fixes every kernel's specialization besides the
+    plan (the configuration, the buffers' dtypes) and the first stage's mode: x's shape, strides and dtype and the
+    parameters' dtypes. None where x or a parameter is not 16-byte aligned (the kept kernels assume the
+    alignment the first launch saw; what the engine allocates is aligned, and so are buffers, which it never
+    replaces by views)."""
     if x3.data_ptr() & 15:
-        return False
+        return None
+    key = (device, serial, x3.shape, x3.stride(), x3.dtype)
     for t in params:
-        if t is not None and t.data_ptr() & 15:
-            return False
-    for t in buffers:
-        if t is not None and t.data_ptr() & 15:
-            return False
-    return True
+        if t is None:
+            key += (None, )
+        elif t.data_ptr() & 15:
+            return None
+        else:
+            key += (t.dtype, )
+    return key
 
 
 class StatNorm2d(nn.Module):
@@ -266,6 +278,15 @@ class StatNorm2d(nn.Module):
             if self.mode == 'estimate' and self.training:
                 self.__dict__['_op_marks_iteration'] = True  # its backward ends the iteration
             return self._watch(compiled_call(self, x))
+        plan = self.__dict__['_plans'].get((x.dtype, x.device, _backend._STATE['broken']))
+        # the direct route (Triton, x's device current, no collectives): no context to enter
+        if plan is not None and plan.direct and (plan.cuda is None or plan.cuda == torch._C._cuda_getDevice()) \
+                and not (self.sync_stats and _DIST and dist.is_initialized()):
+            try:
+                return self._run(x, plan, None)
+            except plan.errors as e:  # under 'auto': the ATen backend takes this call and the next
+                give_up_triton(self.backend, e)
+                self._estimates.drop_unfilled()
         return self._statnorm_eager(x)
 
     def _plan(self, x: torch.Tensor) -> _Plan:
@@ -281,91 +302,116 @@ class StatNorm2d(nn.Module):
         cd, out_dtype = self.stat_dtype(x, *params), self._output_dtype(x)
         torch_maps = self._coeff_maps(False)
         maps = self._coeff_maps(True) if be.kernel_maps else torch_maps
-        key = cuda = None
+        device = cuda = None
         if x.is_cuda and be.kernel_maps:  # launches cached where they compile (the CPU's interpreter: as they are)
-            cuda = x.device.index
-            key = (cuda, )
+            device = cuda = x.device.index
         elif be.kernel_maps and stubbed():  # benchmarks/host.py: the cached path, its driver calls stubbed
-            key = (-1, )
+            device = -1
         return _Plan(be, be.compile_errors(), cd, out_dtype, x.dtype not in _HALF and x.dtype != cd, maps,
-                     torch_maps, self._statnorm_act(), key, cuda, not be.kernel_maps or bool(self.sync_stats))
+                     torch_maps, self._statnorm_act(), device, next(_SERIAL), cuda,
+                     not be.kernel_maps or bool(self.sync_stats), be.kernel_maps)
 
-    def _statnorm_eager(self, x: torch.Tensor, keep: Optional[list] = None) -> torch.Tensor:
+    def _statnorm_eager(self, x: torch.Tensor, keep: Optional[list] = None, plan: Optional[_Plan] = None):
         """The output by the layer's backend; with ``keep`` (the torch.compile operator) no autograd graph:
         (backward state, backward function) is appended to it."""
-        plan = self._plan(x)
+        if plan is None:
+            plan = self._plan(x)
         try:
             if plan.cuda is not None and plan.cuda != torch._C._cuda_getDevice():
                 with torch.cuda.device(plan.cuda):  # Triton launches on the current device and stream
-                    return self._run(x, plan, keep)
-            return self._run(x, plan, keep)
+                    return self._run_autocast(x, plan, keep)
+            return self._run_autocast(x, plan, keep)
         except plan.errors as e:  # under 'auto': the ATen backend takes this call and the next
             give_up_triton(self.backend, e)
             self._estimates.drop_unfilled()
-        return self._run(x, self._plan(x), keep)
+        return self._run_autocast(x, self._plan(x), keep)
 
-    def _run(self, x, plan: _Plan, keep):
+    def _run_autocast(self, x, plan: _Plan, keep):
         if plan.autocast and autocast_on(x.device.type):  # torch code between the passes
             with torch.autocast(x.device.type, enabled=False):
-                return self._run_step(x, plan, keep)
-        return self._run_step(x, plan, keep)
+                return self._run(x, plan, keep)
+        return self._run(x, plan, keep)
 
-    def _run_step(self, x, plan: _Plan, keep):
-        shape = x.shape
+    def _run(self, x, plan: _Plan, keep):
         params = self._statnorm_params()
-        x3 = x.reshape(shape[0], shape[1], -1)
-        if plan.convert:
-            x3 = x3.to(plan.cd)  # e.g. float32 x with float64 parameters
-        key = plan.key
-        if key is not None and not _aligned(x3, params, self._buffers3() if self._FIRST_STAGE else ()):
-            key = None  # launched as Triton does (its specialization of these pointers)
-        x3, stats, kind, count, step = self._first_stage(plan.backend, x3, key)
-        kernel = plan.backend.kernel_maps and kind != 'synced'  # the kernel maps take no all-reduced count
-        call = _Call(plan, plan.maps if kernel else plan.torch_maps, kernel, kind, count, self.backend,
-                     self.mode == 'estimate' and self.training)
         needs_grad = x.requires_grad
         for p in params:
             if p is not None and p.requires_grad:
                 needs_grad = True
-        needs_grad = needs_grad and torch.is_grad_enabled()
-        if keep is not None:
-            ctx = _OpContext(x3)
-            y = _forward(ctx, x3, call, stats, params)
-            keep.append((ctx, _op_backward))
-            needs_grad = False
-        elif not needs_grad:  # eval / no_grad: nothing kept
-            y = plan.backend.apply(x3, stats, _map(call, stats, params, x3.shape[2])[0], plan.act, plan.out_dtype)[0]
-        else:
-            y = _apply_fn(x3 if _unwrap_if_dead is None else _unwrap_if_dead(x3), call, stats, *params)
+        if keep is None and needs_grad and torch.is_grad_enabled():
+            if torch._C._are_functorch_transforms_active():  # they need Function.apply's Python
+                return _StatNormFn.apply(x, self, plan, *params)
+            # the C entry: Function.apply's Python (bound arguments, dead-wrapper unwrapping) skipped
+            return _base_apply(x if _unwrap_if_dead is None else _unwrap_if_dead(x), self, plan, *params)
+        if keep is None:  # eval / no_grad: nothing kept
+            return self._step(None, x, plan, params)
+        ctx = _OpContext()
+        y = self._step(ctx, x, plan, params)
+        keep.append((ctx, _op_backward))
+        return y
+
+    def _step(self, ctx, x, plan: _Plan, params):
+        """y in x's shape, a tensor of its own (not a view: a residual ``+=`` modifies it in place): the first
+        stage, the coefficient map, the output pass; with ``ctx`` (the Function's) what the backward needs."""
+        shape = x.shape
+        x3 = view = x.reshape(shape[0], shape[1], -1)
+        if plan.convert:
+            x3 = view = x3.to(plan.cd)  # e.g. float32 x with float64 parameters
+        key = None
+        if plan.device is not None:
+            key = _launch_key(plan.device, plan.serial, x3, params)
+        x3, stats, kind, count, step = self._first_stage(plan.backend, x3, key)
+        kernel = plan.backend.kernel_maps and kind != 'synced'  # the kernel maps take no all-reduced count
+        call = _Call(plan, plan.maps if kernel else plan.torch_maps, kernel, kind, count, self.backend,
+                     self.mode == 'estimate' and self.training)
+        if stats.plan is None:
+            coeffs, res = call.maps[0](stats.m, stats.v, stats.mean, stats.var, params, x3.shape[2], count)
+        else:  # the planned first stage runs in the map's launch
+            coeffs, res = call.maps[0](stats.m, stats.v, stats.mean, stats.var, params, x3.shape[2], count,
+                                       first=stats.plan)
+        y4 = out = None
+        if plan.direct and x3 is view:  # the output in x's layout, written through its (N, C, L) view
+            y4 = torch.empty_like(x) if plan.out_dtype == x.dtype else torch.empty_like(x, dtype=plan.out_dtype)
+            out = y4.view(shape[0], shape[1], -1)
+        y, pc = plan.backend.apply(x3, stats, coeffs, plan.act, plan.out_dtype, out)
+        if ctx is not None:
+            ctx.save_for_backward(x3)  # x only: channel-sized tensors are kept as attributes
+            ctx.call, ctx.res, ctx.params, ctx.pc, ctx.shape = call, res, params, pc, shape
+            # without the update, the planned stage and the output storage (not kept alive)
+            ctx.stats = Statistics(stats.m, stats.v, stats.mean, stats.var, stats.moved, None, None, None,
+                                   stats.request)
         if step is not None:  # after the kernels: the iteration's total
             it, buffers = step
             self._estimates.end(it, stats.moved, x3.shape[0] * x3.shape[2], buffers)
-        return y.view(*shape) if needs_grad else _reshaped_base(y, shape)  # integers: a Size costs 2x
+        return y4 if y is out else _reshaped_base(y, shape)
 
     def _first_stage(self, be, x3, key=None):
         """(x3 as the backend reads it, :class:`Statistics`, kind, count, (the open iteration, the buffers) to close
         after the kernels or None)."""
         if not self._FIRST_STAGE:
             return (*be.first_stage(x3, StatsRequest(key=key)), 'none', None, None)
+        if key is not None:  # the first stage's mode fixes the rest of the kernels' specializations
+            key = key + (self.training, self.mode, bool(self.sync_stats), self.momentum is None)
         b = self._buffers
         rm, rv, nbt = b['running_mean'], b['running_var'], b.get('num_batches_tracked')
         if not self.training:
             return (*be.first_stage(x3, StatsRequest(STATS_FIXED, rm, rv, key=key)), 'fixed', None, None)
         estimate = self.mode == 'estimate'
-        if self.sync_stats and (estimate or self._SYNC_BATCH) and dist.is_available() and dist.is_initialized() \
+        if self.sync_stats and (estimate or self._SYNC_BATCH) and _DIST and dist.is_initialized() \
                 and dist.get_world_size() > 1:  # the collectives read m, v now
-            x3, st = be.first_stage(x3, StatsRequest(key=key), deferred=False)
+            x3, st = be.first_stage(x3, StatsRequest(key=key and key + ('synced', )), deferred=False)
             kind, mean, var, count = self._synced_stats(st.m, st.v, x3.shape[2])
             return x3, st._replace(mean=mean, var=var), kind, count, None
         count = x3.shape[0] * x3.shape[2]
         if estimate:  # Algorithm 1, once per iteration
             it, backward = self._estimates.begin((rm, rv, nbt), self._rate, deferred=True)
             first = it.total is None and not backward
-            request = StatsRequest(STATS_ESTIMATE, rm, rv, it.base, it.rate, 0.1, first, nbt if first else None, key)
+            request = StatsRequest(STATS_ESTIMATE, rm, rv, it.base, it.rate, 0.1, first, nbt if first else None,
+                                   key and key + (first, ))
             return (*be.first_stage(x3, request), 'fixed', None, None if backward else (it, (rm, rv, nbt)))
         backward = _task_id is not None and _task_id() != -1  # a checkpoint's recomputation: no state change
         request = StatsRequest(STATS_BATCH, rm, rv, None, 0.0, self.momentum, not backward,
-                               None if backward else nbt, key)
+                               None if backward else nbt, key and key + (backward, ))
         return (*be.first_stage(x3, request), 'batch', count, None)
 
     def _synced_stats(self, m, v, positions):
@@ -384,25 +430,8 @@ class _OpContext:
     """The torch.compile operator's stand-in for an autograd context."""
     needs_input_grad = (True, )
 
-    def __init__(self, x3):
-        self.saved_tensors = (x3, )
-
-
-def _map(call: _Call, stats: Statistics, params, positions):
-    """The coefficient map of this call (running a planned first stage in its launch)."""
-    if stats.plan is None:
-        return call.maps[0](stats.m, stats.v, stats.mean, stats.var, params, positions, call.count)
-    return call.maps[0](stats.m, stats.v, stats.mean, stats.var, params, positions, call.count, first=stats.plan)
-
-
-def _forward(ctx, x3, call: _Call, stats: Statistics, params):
-    coeffs, res = _map(call, stats, params, x3.shape[2])
-    plan = call.plan
-    y, ctx.pc = plan.backend.apply(x3, stats, coeffs, plan.act, plan.out_dtype)
-    # the backward's statistics: without the update, the planned stage and the output storage (not kept alive)
-    ctx.call, ctx.res, ctx.params = call, res, params
-    ctx.stats = Statistics(stats.m, stats.v, stats.mean, stats.var, stats.moved, None, None, None, stats.request)
-    return y
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
 
 
 def _backward(ctx, x3, dy):
@@ -438,30 +467,28 @@ def _backward(ctx, x3, dy):
 
 
 def _backward_or_fallback(ctx, dy):
+    """(dx, dparams): the backward in x's layout, on x's device, autocast off around torch code; a backward
+    kernel that fails to compile (under 'auto'): ATen, from the same statistics."""
     x3, = ctx.saved_tensors
-    plan = ctx.call.plan
-    if plan.autocast and autocast_on(x3.device.type):  # torch code between the passes
-        with torch.autocast(x3.device.type, enabled=False):
-            return _backward_guarded(ctx, x3, dy, plan)
-    return _backward_guarded(ctx, x3, dy, plan)
-
-
-def _backward_guarded(ctx, x3, dy, plan: _Plan):
+    call = ctx.call
+    plan = call.plan
     n, c, length = x3.shape
     dy = plan.backend.grad_layout(dy.reshape(n, c, length), x3)  # dy may be expanded (a sum's grad); once for both
     try:
+        if not call.kernel_maps and autocast_on(x3.device.type):  # torch code between the passes
+            with torch.autocast(x3.device.type, enabled=False):
+                return _backward(ctx, x3, dy)
         if plan.cuda is not None and plan.cuda != torch._C._cuda_getDevice():
             with torch.cuda.device(plan.cuda):  # autograd may run the backward with another device current
                 return _backward(ctx, x3, dy)
         return _backward(ctx, x3, dy)
-    except plan.errors as e:  # a backward kernel failed to compile: ATen, from the same statistics
-        give_up_triton(ctx.call.option, e)
-        aten = plan._replace(backend=AtenBackend, errors=(), maps=plan.torch_maps, key=None, cuda=None,
-                             autocast=True)
-        ctx.call = call = ctx.call._replace(plan=aten, maps=plan.torch_maps, kernel_maps=False)
+    except plan.errors as e:
+        give_up_triton(call.option, e)
+        aten = plan._replace(backend=AtenBackend, errors=(), maps=plan.torch_maps, device=None, cuda=None,
+                             autocast=True, direct=False)
+        ctx.call = call = call._replace(plan=aten, maps=plan.torch_maps, kernel_maps=False)
         stats = ctx.stats
-        coeffs, ctx.res = call.maps[0](stats.m, stats.v, stats.mean, stats.var, ctx.params, x3.shape[2],
-                                       call.count)
+        coeffs, ctx.res = call.maps[0](stats.m, stats.v, stats.mean, stats.var, ctx.params, length, call.count)
         ctx.pc = AtenBackend.prepare(coeffs, stats.v)
         with _no_autocast(x3.device.type):
             return _backward(ctx, x3, dy)
@@ -475,19 +502,13 @@ def _op_backward(ctx, dy):
     return out
 
 
-def _plain_backward(ctx, dy):
-    dx, dparams = _backward_or_fallback(ctx, dy)
-    if ctx.call.ends_iteration:  # gradients flowed back through an estimate-mode layer: the iteration ends
-        mark_iteration()
-    return (dx, None, None, *dparams)
-
-
 class _StatNormFn(torch.autograd.Function):
+    """The engine's one autograd Function: x (the layer's input) and the parameters in, y out; the backward's
+    state on ``ctx`` (``StatNorm2d._step``)."""
 
     @staticmethod
-    def forward(ctx, x3, call, stats, *params):
-        ctx.save_for_backward(x3)  # x only: channel-sized tensors are kept as attributes
-        return _forward(ctx, x3, call, stats, params)
+    def forward(ctx, x, layer, plan, *params):
+        return layer._step(ctx, x, plan, params)
 
     @staticmethod
     def backward(ctx, dy):
@@ -496,15 +517,15 @@ class _StatNormFn(torch.autograd.Function):
         return _plain_backward(ctx, dy)
 
 
+def _plain_backward(ctx, dy):
+    dx, dparams = _backward_or_fallback(ctx, dy)
+    if ctx.call.ends_iteration:  # gradients flowed back through an estimate-mode layer: the iteration ends
+        mark_iteration()
+    return (None if dx is None else dx.view(*ctx.shape), None, None, *dparams)
+
+
 _once = torch.autograd.function.once_differentiable(_plain_backward)
 _base_apply = super(torch.autograd.Function, _StatNormFn).apply  # the C apply: Function.apply's Python skipped
-
-
-def _apply_fn(x3, call, stats, *params):
-    """``_StatNormFn.apply``: the C entry directly unless functorch transforms are active (they need Python's)."""
-    if torch._C._are_functorch_transforms_active():
-        return _StatNormFn.apply(x3, call, stats, *params)
-    return _base_apply(x3, call, stats, *params)
 
 
 def _reshaped_base(y: torch.Tensor, shape) -> torch.Tensor:
