@@ -261,6 +261,9 @@ class Backend(Protocol):
         """dx from the coefficient VJP's dm, dv; ``batch`` = (mean, dmean, dvar, 1 / N): the batch statistics' VJP
         too; ``pending``: sums this launch finishes (kernel maps only)."""
 
+    def act_form(self, act) -> Any:
+        """The activation (an Activation) as this backend's passes take it (``act`` of apply, sums, dx)."""
+
     def guard(self, t: Tensor) -> contextlib.AbstractContextManager:
         """The context every launch for ``t`` runs in."""
 

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from .backend import STATS_BATCH, STATS_ESTIMATE, STATS_NONE
 from .common import acc_dtype, cdiv, from_hi_lo, hi_lo, next_pow2
+from .launch import launcher
 
 
 @triton.jit
@@ -200,12 +201,12 @@ class FirstStage:
         """The standalone stats kernel: one program per block of channels."""
         n, c, _ = self.shape
         block_n, block_c = stat_blocks(c, self.dtype)
-        _stats_kernel[(cdiv(c, block_c), )](self.args, n, c, *self.sizes, MODE=self.mode,
-                                                   CUMULATIVE=self.cumulative, BLOCK_N=block_n, BLOCK_C=block_c,
-                                                   ACC=self.acc)
+        _STATS((cdiv(c, block_c), 1, 1), (self.args, n, c, *self.sizes),
+               dict(MODE=self.mode, CUMULATIVE=self.cumulative, BLOCK_N=block_n, BLOCK_C=block_c, ACC=self.acc))
         return self.outputs
 
 
+_STATS = launcher(_stats_kernel)
 FOLD_SIZES = ['fL', 'fCHUNK', 'fSPLIT', 'fWRITE']  # a map kernel's fold parameters after F: do_not_specialize
 
 

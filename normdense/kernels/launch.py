@@ -157,6 +157,30 @@ def launcher(kernel) -> Launcher:
     return out
 
 
+@contextlib.contextmanager
+def counting():
+    """Yields a list: [launches made meanwhile, kept or not; those of them through :meth:`Launcher.launch`]
+    (the benchmarks' count)."""
+    counter = [0, 0]
+    hit, launch = Launcher.hit, Launcher.launch
+
+    def counted_hit(self, grid, args, key):
+        done = hit(self, grid, args, key)
+        counter[0] += done
+        return done
+
+    def counted_launch(self, grid, args, consts, key=None):
+        counter[0] += 1
+        counter[1] += 1
+        return launch(self, grid, args, consts, key)
+
+    Launcher.hit, Launcher.launch = counted_hit, counted_launch
+    try:
+        yield counter
+    finally:
+        Launcher.hit, Launcher.launch = hit, launch
+
+
 def clear() -> None:
     """Forget every kept compiled kernel (a launch hook installed later is then seen)."""
     for one in _ALL:

@@ -278,7 +278,8 @@ def _dy_key(key, dy):
 
 class TritonBackend:
     """:class:`normdense.kernels.backend.Backend` on the Triton passes; x3 in one of the layouts of
-    ``as_read``, dy in x3's. The launches go through ``launch.Launcher`` under the request's ``key``."""
+    ``as_read``, dy in x3's, ``act`` as :meth:`act_form` makes it. The launches go through ``launch.Launcher``
+    under the request's ``key``."""
     name = 'triton'
     kernel_maps = True
 
@@ -305,8 +306,8 @@ class TritonBackend:
         pc = coeffs if stats.plan is not None else TritonBackend.prepare(coeffs, stats.v)  # kernel maps' own
         request = stats.request
         write = None if stats.update is None else (stats.update, request.stat_mean, request.stat_var)
-        return _apply(x3, not x3.is_contiguous(), stats.m, stats.v, pc, _act(act), out_dtype, write, request.nbt,
-                      None, request.key, out), pc
+        return _apply(x3, not x3.is_contiguous(), stats.m, stats.v, pc, act or _NO_ACT, out_dtype, write,
+                      request.nbt, None, request.key, out), pc
 
     @staticmethod
     def grad_layout(dy, x3):
@@ -318,7 +319,7 @@ class TritonBackend:
         """The coefficients' gradients, each (N, C), or (``merged`` False) the chunks' (SPLIT, N, C) partials that
         the layers' Triton VJP kernels and dx add as they load them."""
         # the state for dx: whether the VJP was torch's (merged sums; its dm, dv may be strided)
-        return _sums(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, _act(act), merged, None,
+        return _sums(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, act or _NO_ACT, merged, None,
                      _dy_key(stats.request.key, dy)), merged
 
     @staticmethod
@@ -326,8 +327,12 @@ class TritonBackend:
         """dx; ``pending``: a layer VJP's ``common.BlockSums`` (large N), summed in this launch."""
         if state:  # the torch VJP's dm, dv (the kernel maps' are contiguous)
             dm, dv = dm.contiguous(), dv.contiguous()
-        return _dx(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, dm, dv, gsum, _act(act), batch, pending, None,
-                   FINISH_BLOCK.value, _dy_key(stats.request.key, dy))
+        return _dx(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, dm, dv, gsum, act or _NO_ACT, batch, pending,
+                   None, FINISH_BLOCK.value, _dy_key(stats.request.key, dy))
+
+    @staticmethod
+    def act_form(act):
+        return _act(act)  # (ACT, p0 hi, lo, p1 hi, lo, p0, p1): once per plan
 
     @staticmethod
     def guard(t):

@@ -57,12 +57,13 @@ class _Plan(NamedTuple):
     convert: bool  # x3 goes to cd first (e.g. float32 x with float64 parameters)
     maps: tuple  # (coeff_map, coeff_vjp) of the backend's kind
     torch_maps: tuple  # the layer's torch maps (all-reduced statistics, a failed compile's fallback)
-    act: Any  # GN+PN's activation, or None
+    act: Any  # GN+PN's activation as the backend's passes take it (``Backend.act_form``), or None
     device: Optional[int]  # where launches are cached (``launch.Launcher``): the CUDA index (-1: stubbed), else None
     serial: int  # this plan's number in the process: part of each call's launch-cache key
     cuda: Optional[int]  # the CUDA device the launches need current (Triton), else None
     autocast: bool  # torch code runs between the passes: autocast off around them
     direct: bool  # the kernel maps run: no torch code between the passes without collectives
+    activation: Any  # the layer's activation object (GN+PN), or None
 
 
 class _Call(NamedTuple):  # a NamedTuple: a frozen dataclass's __init__ costs 3x more per call
@@ -283,7 +284,7 @@ class StatNorm2d(nn.Module):
         if plan is not None and plan.direct and (plan.cuda is None or plan.cuda == torch._C._cuda_getDevice()) \
                 and not (self.sync_stats and _DIST and dist.is_initialized()):
             try:
-                return self._run(x, plan, None)
+                return self._run(x, plan, None, False)
             except plan.errors as e:  # under 'auto': the ATen backend takes this call and the next
                 give_up_triton(self.backend, e)
                 self._estimates.drop_unfilled()
@@ -307,32 +308,35 @@ class StatNorm2d(nn.Module):
             device = cuda = x.device.index
         elif be.kernel_maps and stubbed():  # benchmarks/host.py: the cached path, its driver calls stubbed
             device = -1
+        act = self._statnorm_act()
         return _Plan(be, be.compile_errors(), cd, out_dtype, x.dtype not in _HALF and x.dtype != cd, maps,
-                     torch_maps, self._statnorm_act(), device, next(_SERIAL), cuda,
-                     not be.kernel_maps or bool(self.sync_stats), be.kernel_maps)
+                     torch_maps, None if act is None else be.act_form(act), device, next(_SERIAL), cuda,
+                     not be.kernel_maps, be.kernel_maps, act)
 
     def _statnorm_eager(self, x: torch.Tensor, keep: Optional[list] = None, plan: Optional[_Plan] = None):
         """The output by the layer's backend; with ``keep`` (the torch.compile operator) no autograd graph:
         (backward state, backward function) is appended to it."""
         if plan is None:
             plan = self._plan(x)
+        # the collectives read m, v: torch code between the passes
+        synced = self.sync_stats and _DIST and dist.is_initialized() and dist.get_world_size() > 1
         try:
             if plan.cuda is not None and plan.cuda != torch._C._cuda_getDevice():
                 with torch.cuda.device(plan.cuda):  # Triton launches on the current device and stream
-                    return self._run_autocast(x, plan, keep)
-            return self._run_autocast(x, plan, keep)
+                    return self._run_autocast(x, plan, keep, synced)
+            return self._run_autocast(x, plan, keep, synced)
         except plan.errors as e:  # under 'auto': the ATen backend takes this call and the next
             give_up_triton(self.backend, e)
             self._estimates.drop_unfilled()
-        return self._run_autocast(x, self._plan(x), keep)
+        return self._run_autocast(x, self._plan(x), keep, synced)
 
-    def _run_autocast(self, x, plan: _Plan, keep):
-        if plan.autocast and autocast_on(x.device.type):  # torch code between the passes
+    def _run_autocast(self, x, plan: _Plan, keep, synced):
+        if (plan.autocast or synced) and autocast_on(x.device.type):  # torch code between the passes
             with torch.autocast(x.device.type, enabled=False):
-                return self._run(x, plan, keep)
-        return self._run(x, plan, keep)
+                return self._run(x, plan, keep, synced)
+        return self._run(x, plan, keep, synced)
 
-    def _run(self, x, plan: _Plan, keep):
+    def _run(self, x, plan: _Plan, keep, synced):
         params = self._statnorm_params()
         needs_grad = x.requires_grad
         for p in params:
@@ -340,17 +344,17 @@ class StatNorm2d(nn.Module):
                 needs_grad = True
         if keep is None and needs_grad and torch.is_grad_enabled():
             if torch._C._are_functorch_transforms_active():  # they need Function.apply's Python
-                return _StatNormFn.apply(x, self, plan, *params)
+                return _StatNormFn.apply(x, self, plan, synced, *params)
             # the C entry: Function.apply's Python (bound arguments, dead-wrapper unwrapping) skipped
-            return _base_apply(x if _unwrap_if_dead is None else _unwrap_if_dead(x), self, plan, *params)
+            return _base_apply(x if _unwrap_if_dead is None else _unwrap_if_dead(x), self, plan, synced, *params)
         if keep is None:  # eval / no_grad: nothing kept
-            return self._step(None, x, plan, params)
+            return self._step(None, x, plan, synced, params)
         ctx = _OpContext()
-        y = self._step(ctx, x, plan, params)
+        y = self._step(ctx, x, plan, synced, params)
         keep.append((ctx, _op_backward))
         return y
 
-    def _step(self, ctx, x, plan: _Plan, params):
+    def _step(self, ctx, x, plan: _Plan, synced: bool, params):
         """y in x's shape, a tensor of its own (not a view: a residual ``+=`` modifies it in place): the first
         stage, the coefficient map, the output pass; with ``ctx`` (the Function's) what the backward needs."""
         shape = x.shape
@@ -360,7 +364,7 @@ class StatNorm2d(nn.Module):
         key = None
         if plan.device is not None:
             key = _launch_key(plan.device, plan.serial, x3, params)
-        x3, stats, kind, count, step = self._first_stage(plan.backend, x3, key)
+        x3, stats, kind, count, step = self._first_stage(plan.backend, x3, key, synced)
         kernel = plan.backend.kernel_maps and kind != 'synced'  # the kernel maps take no all-reduced count
         call = _Call(plan, plan.maps if kernel else plan.torch_maps, kernel, kind, count, self.backend,
                      self.mode == 'estimate' and self.training)
@@ -385,7 +389,7 @@ class StatNorm2d(nn.Module):
             self._estimates.end(it, stats.moved, x3.shape[0] * x3.shape[2], buffers)
         return y4 if y is out else _reshaped_base(y, shape)
 
-    def _first_stage(self, be, x3, key=None):
+    def _first_stage(self, be, x3, key=None, synced=False):
         """(x3 as the backend reads it, :class:`Statistics`, kind, count, (the open iteration, the buffers) to close
         after the kernels or None)."""
         if not self._FIRST_STAGE:
@@ -397,8 +401,7 @@ class StatNorm2d(nn.Module):
         if not self.training:
             return (*be.first_stage(x3, StatsRequest(STATS_FIXED, rm, rv, key=key)), 'fixed', None, None)
         estimate = self.mode == 'estimate'
-        if self.sync_stats and (estimate or self._SYNC_BATCH) and _DIST and dist.is_initialized() \
-                and dist.get_world_size() > 1:  # the collectives read m, v now
+        if synced and (estimate or self._SYNC_BATCH):  # the collectives read m, v now
             x3, st = be.first_stage(x3, StatsRequest(key=key and key + ('synced', )), deferred=False)
             kind, mean, var, count = self._synced_stats(st.m, st.v, x3.shape[2])
             return x3, st._replace(mean=mean, var=var), kind, count, None
@@ -485,7 +488,7 @@ def _backward_or_fallback(ctx, dy):
     except plan.errors as e:
         give_up_triton(call.option, e)
         aten = plan._replace(backend=AtenBackend, errors=(), maps=plan.torch_maps, device=None, cuda=None,
-                             autocast=True, direct=False)
+                             autocast=True, direct=False, act=plan.activation)
         ctx.call = call = call._replace(plan=aten, maps=plan.torch_maps, kernel_maps=False)
         stats = ctx.stats
         coeffs, ctx.res = call.maps[0](stats.m, stats.v, stats.mean, stats.var, ctx.params, length, call.count)
@@ -507,8 +510,8 @@ class _StatNormFn(torch.autograd.Function):
     state on ``ctx`` (``StatNorm2d._step``)."""
 
     @staticmethod
-    def forward(ctx, x, layer, plan, *params):
-        return layer._step(ctx, x, plan, params)
+    def forward(ctx, x, layer, plan, synced, *params):
+        return layer._step(ctx, x, plan, synced, params)
 
     @staticmethod
     def backward(ctx, dy):
@@ -521,7 +524,7 @@ def _plain_backward(ctx, dy):
     dx, dparams = _backward_or_fallback(ctx, dy)
     if ctx.call.ends_iteration:  # gradients flowed back through an estimate-mode layer: the iteration ends
         mark_iteration()
-    return (None if dx is None else dx.view(*ctx.shape), None, None, *dparams)
+    return (None if dx is None else dx.view(*ctx.shape), None, None, None, *dparams)
 
 
 _once = torch.autograd.function.once_differentiable(_plain_backward)

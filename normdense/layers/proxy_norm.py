@@ -138,11 +138,6 @@ def _triton_coeff_map(cfg, kernel, kwargs, m, v, mean, var, params, positions, c
     return kernel(m, v, mean, var, params, positions, count, quantiles=q, first=first, **kwargs)
 
 
-def _triton_coeff_vjp(kernel, kwargs, res, grads, wants_stats, defer=False):
-    """:func:`coeff_vjp` as one Triton launch (``defer``: sums over samples left as partials for the Triton dx)."""
-    return kernel(res, grads, wants_stats, defer=defer, **kwargs)
-
-
 class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
     """GN+PN (``dict(type='GNPN')``): ``weight``/``bias`` are gamma/beta (GN's names, so GN checkpoints load),
     ``proxy_beta``/``proxy_gamma`` beta~/gamma~; statistics in float32 (float64 for float64), also under autocast.
@@ -276,7 +271,7 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
             from ..kernels import proxy_norm as kernels  # triton imported only when it runs
             kw = _triton_kwargs(cfg)
             return (functools.partial(_triton_coeff_map, cfg, kernels.coeff_map, kw),
-                    functools.partial(_triton_coeff_vjp, kernels.coeff_vjp, kw))
+                    functools.partial(kernels.coeff_vjp, **kw))
         return functools.partial(coeff_map, cfg), functools.partial(coeff_vjp, cfg)
 
     def _eq7(self, x: torch.Tensor, dtype: torch.dtype, weight, bias, proxy_beta, proxy_gamma) -> torch.Tensor:

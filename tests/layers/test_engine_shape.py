@@ -49,12 +49,14 @@ def _layer(mode, backend):
 
 
 @pytest.mark.parametrize('mode', ['estimate', 'batch'])
-def test_bcn_aten_training_forward_visits_five_files(mode):
+def test_bcn_aten_training_forward_visits_at_most_five_files(mode):
     layer, x = _layer(mode, 'aten')
     entries = _entries(lambda: layer(x))
     files = collections.Counter(entries)
-    assert set(files) == {'layers/bcn.py', 'layers/_statnorm.py', 'layers/_estimate.py', 'kernels/backend.py',
+    # batch mode needs no estimate bookkeeping (a recomputation is asked of autograd directly)
+    assert set(files) <= {'layers/bcn.py', 'layers/_statnorm.py', 'layers/_estimate.py', 'kernels/backend.py',
                           'kernels/aten.py'}, entries
+    assert {'layers/bcn.py', 'layers/_statnorm.py', 'kernels/aten.py'} <= set(files), entries
     assert len(entries) - len(files) <= 8, entries  # re-entries
 
 

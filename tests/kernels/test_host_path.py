@@ -1,0 +1,79 @@
+"""The engine's host path (what a training call costs before any kernel runs, docs/engine.md): the Python calls
+one forward+backward of each engine layer makes, with Triton's launches stubbed at their one point
+(``kernels.launch.stub_launches``). Deterministic: a call added to the path (a per-call import, a second plan,
+a context entered where none is needed) shows here, whatever the machine's speed."""
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip('triton')
+import normdense  # noqa: E402
+from normdense.kernels.launch import stub_launches  # noqa: E402
+
+ROOT = os.path.dirname(normdense.__file__)
+SHAPE = (2, 64, 4, 4)
+
+# Calls made by normdense's own code per forward+backward (Python functions and builtins it calls directly;
+# what torch's functions call in turn is torch's). Measured at the change that introduced this test; lower it
+# when the path gets leaner, never raise it without a reason written here.
+OUR_CALLS = {'bcn-estimate': 139, 'bcn-batch': 130, 'gnpn-relu': 141, 'unitization-batch': 126,
+             'unitization-estimate': 133}
+MAX_TOTAL = 200  # every call of the step, torch's and cProfile's builtins included (the host-path target)
+
+
+def _layers():
+    from normdense.layers.bcn import BatchChannelNorm2d
+    from normdense.layers.proxy_norm import GroupProxyNorm
+    from normdense.layers.unitization import Unitization2d
+    c = SHAPE[1]
+    return {'bcn-estimate': lambda: BatchChannelNorm2d(c, 8, mode='estimate', update_rate=0.1, backend='triton'),
+            'bcn-batch': lambda: BatchChannelNorm2d(c, 8, mode='batch', backend='triton'),
+            'gnpn-relu': lambda: GroupProxyNorm(c, 8, act='relu', backend='triton'),
+            'unitization-batch': lambda: Unitization2d(c, backend='triton'),
+            'unitization-estimate': lambda: Unitization2d(c, mode='estimate', update_rate=0.1, backend='triton')}
+
+
+def _counts(step):
+    """(calls made directly by normdense's frames, every call) of one ``step()``."""
+    ours, total = [0], [0]
+
+    def profile(frame, event, arg):
+        if event == 'call':
+            total[0] += 1
+            caller = frame.f_back
+        elif event == 'c_call':
+            total[0] += 1
+            caller = frame
+        else:
+            return
+        if caller is not None and caller.f_code.co_filename.startswith(ROOT):
+            ours[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return ours[0], total[0]
+
+
+def _step(layer):
+    x = torch.randn(*SHAPE, requires_grad=True)
+    return lambda: layer(x).sum().backward()
+
+
+@pytest.mark.parametrize('name', sorted(OUR_CALLS))
+def test_calls_per_training_step_stay_within_budget(name):
+    if os.environ.get('TRITON_INTERPRET') != '1':
+        pytest.skip('stubs the launches of CPU tensors (the interpreter): a GPU machine measures benchmarks/host.py')
+    with stub_launches():
+        step = _step(_layers()[name]())
+        for _ in range(3):  # plans, launch cache, lazy imports
+            step()
+        ours, total = _counts(step)
+        again = _counts(step)
+    assert again == (ours, total)  # deterministic
+    assert ours <= OUR_CALLS[name], f'{name}: {ours} calls by normdense per step (budget {OUR_CALLS[name]})'
+    assert total <= MAX_TOTAL, f'{name}: {total} calls per step in all (target {MAX_TOTAL})'

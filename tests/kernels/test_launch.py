@@ -1,0 +1,190 @@
+"""The launch cache (``normdense/kernels/launch.py``): what a kept launch hands the compiled kernel's launcher,
+where it falls back to ``kernel[grid]``, and that every key the engine makes fixes Triton's own specialization of
+the arguments (``native_specialize_impl``, what ``kernel[grid]`` computes on each launch)."""
+import collections
+import inspect
+
+import pytest
+import torch
+
+triton = pytest.importorskip('triton')
+from normdense.kernels import launch as L  # noqa: E402
+
+
+class FakeKernel:
+    """``kernel[grid](*args, **consts)`` as Triton's JIT function is called: records the normal launches and
+    returns ``compiled`` (a test double of the compiled kernel, or None as the interpreter returns)."""
+
+    def __init__(self, compiled, arg_names=('x_ptr', 'n', 'BLOCK', 'ACT')):
+        self.arg_names, self.compiled, self.normal = list(arg_names), compiled, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **consts):
+            self.normal.append((grid, args, consts))
+            return self.compiled
+        return launch
+
+
+class Compiled37:
+    """The launcher shape of triton 3.7's ``CompiledKernel.run`` (``CudaLauncher.__call__``)."""
+
+    def __init__(self):
+        self.calls, self.function, self.packed_metadata = [], 'fn', 'meta'
+        self.run = self._Run(self.calls)
+
+    class _Run:
+        def __init__(self, calls):
+            self.calls = calls
+
+        def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata,
+                     launch_enter_hook, launch_exit_hook, *args):
+            self.calls.append((gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata,
+                               launch_enter_hook, launch_exit_hook, args))
+
+
+def test_a_kept_launch_calls_the_compiled_launcher_with_the_constexprs_in_kernel_order():
+    compiled = Compiled37()
+    kernel = FakeKernel(compiled)
+    launcher = L.Launcher(kernel)
+    x = torch.zeros(4)
+    launcher((2, 1, 1), (x, 4), {'ACT': 3, 'BLOCK': 128, 'num_warps': 4}, key=(-1, 'k'))
+    assert len(kernel.normal) == 1 and compiled.calls == []  # the first launch: kernel[grid], then kept
+    assert launcher.hit((5, 2, 1), (x, 7), (-1, 'k'))
+    assert len(kernel.normal) == 1
+    (gx, gy, gz, stream, function, meta, launch_meta, enter, leave, args), = compiled.calls
+    assert (gx, gy, gz, function, meta, launch_meta, enter, leave) == (5, 2, 1, 'fn', 'meta', None, None, None)
+    assert args == (x, 7, 128, 3)  # runtime arguments, then BLOCK and ACT in the kernel's order (not the dict's)
+    assert not launcher.hit((1, 1, 1), (x, 7), (-1, 'other'))  # another key: nothing kept for it
+
+
+@pytest.mark.parametrize('case', ['interpreter', 'no packed metadata', 'another launcher',
+                                  'constexpr missing', 'no key'])
+def test_falls_back_to_kernel_grid_where_the_launcher_is_not_what_it_expects(case):
+    compiled = Compiled37()
+    names = ('x_ptr', 'n', 'BLOCK', 'ACT')
+    if case == 'interpreter':
+        compiled = None
+    elif case == 'no packed metadata':
+        del compiled.packed_metadata
+    elif case == 'another launcher':  # e.g. a Triton whose launcher takes the grid as one tuple
+        compiled.run = lambda grid, stream, function, *args: None
+    elif case == 'constexpr missing':
+        names = ('x_ptr', 'n', 'BLOCK', 'ACT', 'V')
+    kernel = FakeKernel(compiled, names)
+    launcher = L.Launcher(kernel)
+    key = None if case == 'no key' else (-1, 'k')
+    x = torch.zeros(4)
+    for _ in range(3):
+        launcher((2, 1, 1), (x, 4), {'ACT': 3, 'BLOCK': 128}, key=key)
+    assert len(kernel.normal) == 3 and launcher.cache == {}
+    if compiled is not None:
+        assert compiled.calls == []
+
+
+def test_a_launch_hook_set_later_is_called_through_kernel_grid():
+    """A profiler that adds a launch hook after the first launch (triton's knobs.runtime hook chains) sees every
+    later launch: the kept launcher is bypassed while a hook is set."""
+    from triton import knobs
+    compiled = Compiled37()
+    kernel = FakeKernel(compiled)
+    launcher = L.Launcher(kernel)
+    x = torch.zeros(4)
+    launcher((1, 1, 1), (x, 4), {'ACT': 0, 'BLOCK': 16}, key=(-1, ))
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert launcher.hit((1, 1, 1), (x, 4), (-1, ))
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(kernel.normal) == 2 and compiled.calls == []
+    assert launcher.hit((1, 1, 1), (x, 4), (-1, )) and len(compiled.calls) == 1
+
+
+def test_the_installed_triton_launcher_fits():
+    """The launcher class of the installed Triton (3.7 here, 3.6 on the GPU machines) takes what a kept launch
+    passes; a 3.6-shaped one (all after ``function`` as ``*args``) too; others do not."""
+    from triton.backends.nvidia.driver import CudaLauncher
+    assert L.launcher_fits(CudaLauncher.__new__(CudaLauncher))
+
+    class Launcher36:
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+            pass
+    assert L.launcher_fits(Launcher36())
+    assert not L.launcher_fits(lambda grid, stream, *args: None)
+    assert not L.launcher_fits(lambda gridX, gridY, gridZ, stream, function, meta: None)
+    # the compiled kernel exposes the launcher as run, with function and packed_metadata (read by direct())
+    from triton.compiler.compiler import CompiledKernel
+    assert isinstance(inspect.getattr_static(CompiledKernel, 'run'), property)
+    assert 'packed_metadata' in inspect.getsource(CompiledKernel.__init__)
+
+
+# --- the engine's keys against Triton's specialization -----------------------------------------------------------
+def _specialization(kernel, args, consts):
+    """Triton's specialization of a launch: per runtime argument what native_specialize_impl gives (the type, 16-byte
+    alignment of pointers, 1 and divisibility of specialized integers), the constexprs and options."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    fn = getattr(kernel, 'fn', kernel)
+    dns = set(getattr(kernel, 'do_not_specialize', None) or getattr(kernel, 'kwargs', {}).get('do_not_specialize', ()))
+    params = list(inspect.signature(fn).parameters)
+    spec = []
+    for name, value in zip(params, args):
+        spec.append(native_specialize_impl(BaseBackend, value, False, name not in dns, True))
+    return repr(spec), tuple(sorted((k, repr(v)) for k, v in consts.items()))
+
+
+def _engine_cases():
+    from normdense.layers.bcn import BatchChannelNorm2d
+    from normdense.layers.proxy_norm import GroupProxyNorm
+    from normdense.layers.unitization import Unitization2d
+    yield 'bcn-estimate', lambda: BatchChannelNorm2d(16, 4, mode='estimate', update_rate=0.1, backend='triton')
+    yield 'bcn-batch', lambda: BatchChannelNorm2d(16, 4, mode='batch', group_affine=False, backend='triton')
+    yield 'gnpn-gelu', lambda: GroupProxyNorm(16, 4, act='gelu', backend='triton')
+    yield 'lnpn-silu', lambda: GroupProxyNorm(16, 1, act='silu', proxy_affine=False, backend='triton')
+    yield 'unitization-batch', lambda: Unitization2d(16, backend='triton')
+    yield 'unitization-estimate', lambda: Unitization2d(16, mode='estimate', update_rate=0.1, backend='triton')
+
+
+def test_every_engine_key_fixes_tritons_specialization():
+    """Every layer and mode, float64/float32/bf16 autocast, NCL and channels_last, several sizes (a channel count
+    whose rows are not 16-byte multiples too), training with one and two calls per iteration and eval: a launch
+    key the engine makes never meets two of Triton's specializations (the kept kernel would be the wrong one)."""
+    if L.stubbed():
+        pytest.skip('stub_launches active elsewhere')
+    seen = collections.defaultdict(set)
+    original = L.Launcher.launch
+
+    def recording(self, grid, args, consts, key=None):
+        if key is not None:
+            seen[(self.name, key)].add(_specialization(self.kernel, args, consts))
+        return original(self, grid, args, consts, key)
+
+    def hit(self, grid, args, key):
+        return False  # every launch goes through launch(), recorded
+    L.Launcher.launch, saved_hit = recording, L.Launcher.hit
+    L.Launcher.hit = hit
+    try:
+        with L.stub_launches():
+            for name, make in _engine_cases():
+                for dtype in (torch.float64, torch.float32):
+                    layer = make().to(dtype)
+                    for shape in ((2, 16, 3, 5), (3, 16, 4, 4), (1, 16, 1, 7)):
+                        for cl in (False, True):
+                            x = torch.randn(*shape, dtype=dtype)
+                            if cl:
+                                x = x.to(memory_format=torch.channels_last)
+                            x.requires_grad_()
+                            layer.train()
+                            layer(x).sum().backward()
+                            layer(x * 2).sum().backward()
+                            layer.eval()
+                            with torch.no_grad():
+                                layer(x)
+                    with torch.autocast('cpu', dtype=torch.bfloat16):
+                        layer.train()
+                        layer(torch.randn(2, 16, 3, 3).bfloat16().requires_grad_()).float().sum().backward()
+    finally:
+        L.Launcher.launch, L.Launcher.hit = original, saved_hit
+    assert len(seen) > 100
+    clashes = {k: v for k, v in seen.items() if len(v) > 1}
+    assert not clashes, list(clashes)[:3]
