@@ -82,16 +82,6 @@ def selected_backend(layer, x) -> str:
     return backend_name(getattr(layer, 'backend', None), x)
 
 
-def resolve(option, x):
-    """The backend (a :class:`Backend`) that runs a layer with ``backend`` option ``option`` on input ``x``: the
-    option, else ``$NORMDENSE_BACKEND``, else auto. The engine asks once per layer and input dtype and device
-    (its plan): a changed environment variable is seen by layers and inputs that are new to it."""
-    if backend_name(option, x) == 'aten':
-        from .aten import AtenBackend
-        return AtenBackend
-    from .triton import TritonBackend  # triton imported only when it runs
-    return TritonBackend
-
 
 def device_guard(t):
     """The context in which a Triton launch for tensor ``t`` runs: ``torch.cuda.device(t.device)`` for a CUDA

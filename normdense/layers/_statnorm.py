@@ -27,8 +27,9 @@ from ..kernels import backend as _backend
 from ..kernels.aten import AtenBackend
 from ..kernels.backend import HALF as _HALF
 from ..kernels.launch import stubbed
+from ..kernels import resolve
 from ..kernels.backend import (STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, PendingSums, Statistics, StatsRequest,
-                               autocast_on, check_backend, exporting, give_up_triton, resolve, tracked)
+                               autocast_on, check_backend, exporting, give_up_triton, tracked)
 from ._distributed import synced_batch_moments, synced_batch_moments_vjp
 from ._estimate import Estimates, in_backward, mark_iteration, mark_on_backward
 
@@ -343,10 +344,14 @@ class StatNorm2d(nn.Module):
             if p is not None and p.requires_grad:
                 needs_grad = True
         if keep is None and needs_grad and torch.is_grad_enabled():
+            shape = x.shape
+            if not plan.direct:  # ATen: y in the moments' storage (N, C, L), viewed in x's shape outside
+                x = x.reshape(shape[0], shape[1], -1)
             if torch._C._are_functorch_transforms_active():  # they need Function.apply's Python
-                return _StatNormFn.apply(x, self, plan, synced, *params)
-            # the C entry: Function.apply's Python (bound arguments, dead-wrapper unwrapping) skipped
-            return _base_apply(x if _unwrap_if_dead is None else _unwrap_if_dead(x), self, plan, synced, *params)
+                y = _StatNormFn.apply(x, self, plan, synced, *params)
+            else:  # the C entry: Function.apply's Python (bound arguments, dead-wrapper unwrapping) skipped
+                y = _base_apply(x if _unwrap_if_dead is None else _unwrap_if_dead(x), self, plan, synced, *params)
+            return y if plan.direct else y.view(*shape)
         if keep is None:  # eval / no_grad: nothing kept
             return self._step(None, x, plan, synced, params)
         ctx = _OpContext()
@@ -387,7 +392,9 @@ class StatNorm2d(nn.Module):
         if step is not None:  # after the kernels: the iteration's total
             it, buffers = step
             self._estimates.end(it, stats.moved, x3.shape[0] * x3.shape[2], buffers)
-        return y4 if y is out else _reshaped_base(y, shape)
+        if out is not None and y is out:
+            return y4
+        return y if len(shape) == 3 else _reshaped_base(y, shape)
 
     def _first_stage(self, be, x3, key=None, synced=False):
         """(x3 as the backend reads it, :class:`Statistics`, kind, count, (the open iteration, the buffers) to close
