@@ -68,6 +68,28 @@ def count_cuda_kernels(fn: Callable[[], None]) -> Optional[int]:
     return n or None
 
 
+def cuda_kernel_ms(fn: Callable[[], None], repeats: int = 5) -> Optional[float]:
+    """The GPU's own time for ``fn()``: the durations of the kernels, memsets and memcpys it ran (torch.profiler,
+    CUPTI), summed, median of ``repeats`` calls, in ms; None off CUDA. The host's time is not in it: at sizes
+    where the host is the bottleneck this is what the kernels would take if it were not."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    totals = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        us = 0.0
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                us += getattr(e, 'device_time', None) or getattr(e, 'cuda_time', 0.0)
+        totals.append(us / 1e3)
+    totals.sort()
+    return totals[len(totals) // 2] or None
+
+
 def launch_counts(fn: Callable[[], None]) -> dict:
     """``aten_ops`` (non-view operators, benchmarks/_timing.count_ops), ``triton_launches`` and ``gpu_kernels``
     (None off CUDA) of one call each; ``launches``: the GPU's count where known, else ATen ops + Triton

@@ -19,7 +19,11 @@ Bytes: the floor of a normalization layer is 3 passes over an activation-sized t
 statistics, read x and write y) and 5 backward (read x and dy for the sums, read them again and write dx):
 ``floor_bytes = 8 * numel * itemsize``. ``gbps`` = floor bytes / fwd+bwd time; ``floor_fraction`` = the time
 the floor takes at the measured device-to-device copy bandwidth (read + write counted) / the fwd+bwd time.
-Launches per fwd+bwd: kernels the GPU ran (torch.profiler; ATen ops + Triton launches on the CPU).
+Launches per fwd+bwd: kernels the GPU ran (torch.profiler; ATen ops + Triton launches on the CPU). Device time
+(``device_ms``): the durations of those kernels, summed (torch.profiler's CUPTI records), apart from the host's:
+at sizes where the host is the bottleneck the wall time is the host's, and device_ms is what the kernels take.
+Host time per call (``host``): benchmarks/host.py's rows on the same device, N calls on a tiny tensor and one
+synchronize (``--no-host`` skips them).
 
 Targets (PASS/FAIL, in the JSON): at P2 and P3 in bf16, every Triton-backed layer with ``backend='triton'``:
 fwd+bwd <= 1.2x nn.GroupNorm and >= 70 % of the byte floor; IterNorm >= 5x faster than ZCA. A row the build
@@ -42,7 +46,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, osp.join(osp.dirname(osp.abspath(__file__)), '..'))
-from benchmarks._launches import launch_counts  # noqa: E402
+from benchmarks._launches import cuda_kernel_ms, launch_counts  # noqa: E402
 from benchmarks._timing import conditions, device_times, median_iqr  # noqa: E402
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
@@ -154,11 +158,16 @@ def bench_setting(shape, dtype, device, repeats, warmup, copy_bw):
             rows[name][f'{mode}_ms'], rows[name][f'{mode}_iqr_ms'] = med * 1e3, iqr * 1e3
             if backward:
                 rows[name].update(launch_counts(calls[name]))
+                rows[name]['device_ms'] = cuda_kernel_ms(calls[name])  # the kernels' own time (None off CUDA)
+    gn_device = rows[GN].get('device_ms')
     for row in rows.values():
         s = row['fwd+bwd_ms'] * 1e-3
         row.update(vs_gn=row['fwd+bwd_ms'] / rows[GN]['fwd+bwd_ms'], vs_bn=row['fwd+bwd_ms'] / rows[BN]['fwd+bwd_ms'],
                    floor_bytes=floor, gbps=floor / s / 1e9,
                    floor_fraction=floor / copy_bw / s)
+        device = row.get('device_ms')
+        row.update(device_vs_gn=None if not (device and gn_device) else device / gn_device,
+                   device_floor_fraction=None if not device else floor / copy_bw / (device * 1e-3))
     return rows, unavailable
 
 
@@ -221,7 +230,8 @@ def markdown(results):
     levels = list(results['levels'])
     for dname in results['dtypes']:
         settings = [results['settings'][f'{lv} {dname}'] for lv in levels]
-        lines += [f'**{dname}**: fwd+bwd ms / x nn.GroupNorm / x nn.BatchNorm2d / % of byte floor', '',
+        lines += [f'**{dname}**: fwd+bwd ms (host + device) / x nn.GroupNorm / x nn.BatchNorm2d / % of byte floor; '
+                  f'device ms (the kernels\' own) / x nn.GroupNorm', '',
                   '| layer | ' + ' | '.join(levels) + f' | launches ({levels[-1]}) |',
                   '|---|' + '---|' * (len(levels) + 1)]
         names = list(settings[0]['rows']) + list(settings[0]['unavailable'])
@@ -229,9 +239,11 @@ def markdown(results):
             cells = []
             for s in settings:
                 r = s['rows'].get(name)
+                device = '' if not r or r.get('device_ms') is None else \
+                    f"; {r['device_ms']:.3f} / {r['device_vs_gn']:.2f}"
                 cells.append('n/a' if r is None else
                              f"{r['fwd+bwd_ms']:.3f} / {r['vs_gn']:.2f} / {r['vs_bn']:.2f} / "
-                             f"{100 * r['floor_fraction']:.0f}%")
+                             f"{100 * r['floor_fraction']:.0f}%{device}")
             last = settings[-1]['rows'].get(name)
             lines.append(f'| {name} | ' + ' | '.join(cells) + f" | {last['launches'] if last else 'n/a'} |")
         lines.append('')
@@ -241,6 +253,13 @@ def markdown(results):
         w = results['whitening']
         lines.append(f"\nIterNorm g64 T5 vs ZCA at {w['level']} fp32 (fwd+bwd): layer {w['zca_over_iternorm']:.1f}x, "
                      f"whitening matrix {w['zca_over_newton']:.1f}x")
+    if 'host' in results:
+        h = results['host']
+        lines += ['', f"Host time per fwd+bwd call (x {tuple(h['shape'])}, N calls then one synchronize; "
+                      f"{'launches stubbed' if h['launches_stubbed'] else 'real launches'}), dy step:", '',
+                  '| layer | us | x nn.GroupNorm | Python calls |', '|---|---|---|---|']
+        lines += [f"| {r['name']} | {r['dy_us']:.1f} | {r['dy_vs_gn']:.2f} | {r['python_calls']} |"
+                  for r in h['results']]
     lines += ['', '| target | level | value | result |', '|---|---|---|---|']
     for t in results['targets']:
         v = 'n/a' if t['value'] is None else f"{t['value']:.2f}"
@@ -263,6 +282,7 @@ def main(argv=None):
     parser.add_argument('--dtypes', default=None, help=f'comma-separated dtypes (default all: {",".join(DTYPES)})')
     parser.add_argument('--out', default=None, help='JSON path (default benchmarks/results/gpu_<device>.json)')
     parser.add_argument('--md', default=None, help='markdown path (default: the JSON path with .md)')
+    parser.add_argument('--no-host', action='store_true', help='skip the host-time rows (benchmarks/host.py)')
     args = parser.parse_args(argv)
     if args.device == 'cuda' and not torch.cuda.is_available():
         sys.exit('benchmarks/gpu.py: no GPU (torch.cuda.is_available() is False): nothing measured; '
@@ -309,6 +329,13 @@ def main(argv=None):
                       f'{r["gbps"]:6.0f} {100 * r["floor_fraction"]:5.0f}% {r["launches"]:8d}')
             for name, why in unavailable.items():
                 print(f'  {name:40s} n/a: {why}')
+    if not args.no_host:  # host time per call apart from the device's (benchmarks/host.py; stubbed on the CPU)
+        from benchmarks import host
+        results['host'] = host.run(args.device, 2 if args.quick else 15, 5 if args.quick else 100,
+                                   warmup=2 if args.quick else 20)
+        for r in results['host']['results']:
+            print(f"host {r['name']:34s} {r['dy_us']:8.1f} us/call {r['dy_vs_gn']:5.2f}x GN  "
+                  f"{r['python_calls']} Python calls")
     wlevel = 'tiny' if args.quick else 'P3' if 'P3' in levels else list(levels)[-1]
     results['whitening'] = dict(bench_whitening(levels[wlevel], args.device, repeats, warmup), level=wlevel)
     results['targets'] = check_targets(results, list(QUICK_LEVELS) if args.quick else TARGET_LEVELS)

@@ -146,7 +146,7 @@ def measure(rows, device, rounds, number, warmup=20):
     return {name: {form: statistics.median(v) for form, v in forms.items()} for name, forms in samples.items()}
 
 
-def run(device='cpu', rounds=15, number=100, backends=('triton', 'aten')):
+def run(device='cpu', rounds=15, number=100, backends=('triton', 'aten'), warmup=20):
     from normdense.kernels.launch import stub_launches
     torch.manual_seed(0)
     x = torch.randn(*SHAPE, device=device, requires_grad=True)
@@ -169,7 +169,7 @@ def run(device='cpu', rounds=15, number=100, backends=('triton', 'aten')):
     stub = stub_launches() if device == 'cpu' and 'triton' in backends else contextlib.nullcontext()
     with stub:
         pairs = {name: steps(m, x, dy) for name, m in modules.items()}
-        times = measure(pairs, device, rounds, number)
+        times = measure(pairs, device, rounds, number, warmup)
         counted = {name: dict(python_calls=python_calls(pairs[name][0]), **launches(pairs[name][0]))
                    for name in modules}
     results = []
@@ -234,7 +234,7 @@ def main(argv=None):
         raise SystemExit('--device cuda: torch sees no CUDA device (use --device cpu: launches stubbed)')
     torch.set_num_threads(1)  # the host path is single-threaded; the baselines too
     data = run(args.device, args.rounds or (3 if args.quick else 15), args.number or (10 if args.quick else 100),
-               tuple(args.backends.split(',')))
+               tuple(args.backends.split(',')), 2 if args.quick else 20)
     out = args.out or osp.join(ROOT, 'benchmarks', 'results', f'host_{args.device}.json')
     md = args.md or osp.splitext(out)[0] + '.md'
     os.makedirs(osp.dirname(osp.abspath(out)), exist_ok=True)

@@ -307,7 +307,7 @@ class TritonBackend:
         request = stats.request
         write = None if stats.update is None else (stats.update, request.stat_mean, request.stat_var)
         return _apply(x3, not x3.is_contiguous(), stats.m, stats.v, pc, act or _NO_ACT, out_dtype, write,
-                      request.nbt, None, request.key, out), pc
+                      request.nbt, key=request.key, out=out), pc
 
     @staticmethod
     def grad_layout(dy, x3):
@@ -319,8 +319,8 @@ class TritonBackend:
         """The coefficients' gradients, each (N, C), or (``merged`` False) the chunks' (SPLIT, N, C) partials that
         the layers' Triton VJP kernels and dx add as they load them."""
         # the state for dx: whether the VJP was torch's (merged sums; its dm, dv may be strided)
-        return _sums(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, act or _NO_ACT, merged, None,
-                     _dy_key(stats.request.key, dy)), merged
+        return _sums(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, act or _NO_ACT, merged,
+                     key=_dy_key(stats.request.key, dy)), merged
 
     @staticmethod
     def dx(x3, dy, stats: Statistics, pc, dm, dv, gsum, act=None, batch=None, state=None, pending=None):
@@ -328,7 +328,7 @@ class TritonBackend:
         if state:  # the torch VJP's dm, dv (the kernel maps' are contiguous)
             dm, dv = dm.contiguous(), dv.contiguous()
         return _dx(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, dm, dv, gsum, act or _NO_ACT, batch, pending,
-                   None, FINISH_BLOCK.value, _dy_key(stats.request.key, dy))
+                   key=_dy_key(stats.request.key, dy))
 
     @staticmethod
     def act_form(act):

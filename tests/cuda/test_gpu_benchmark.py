@@ -48,6 +48,10 @@ def _check_rows(data, measured_layers):
         assert t['passed'] is False or t['value'] is not None
         assert t['value'] is not None or t['note']
     assert data['whitening']['zca_over_iternorm'] > 0 and data['whitening']['zca_over_newton'] > 0
+    assert all(row['device_ms'] is None for row in s['rows'].values())  # the kernels' own time: CUDA only
+    host = data['host']  # host time per call, apart (benchmarks/host.py)
+    assert host['device'] == 'cpu' and {'nn.GroupNorm', 'BCN estimate [aten]'} <= {r['name'] for r in host['results']}
+    assert all(r['dy_us'] > 0 and r['python_calls'] > 0 for r in host['results'])
 
 
 def test_quick_cpu_run_writes_complete_json_and_table(tmp_path):

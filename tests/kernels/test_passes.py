@@ -35,13 +35,21 @@ def nan_outputs(monkeypatch):
     def nan_empty_like(*args, **kwargs):
         t = empty_like(*args, **kwargs)
         return t.fill_(float('nan')) if t.is_floating_point() else t
+
+    new_empty = torch.Tensor.new_empty
+
+    def nan_new_empty(self, *args, **kwargs):
+        t = new_empty(self, *args, **kwargs)
+        return t.fill_(float('nan')) if t.is_floating_point() else t
     monkeypatch.setattr(P.torch, 'empty', nan_empty)
     monkeypatch.setattr(P.torch, 'empty_like', nan_empty_like)
+    monkeypatch.setattr(torch.Tensor, 'new_empty', nan_new_empty)
 
 
 def small_tiles(monkeypatch):
     """Tiles of 64 positions (32 in float64; CL: 16 positions x up to 8 channels): rows of a few hundred
     positions take many tiles and chunks, with chunk starts off the rows' alignment."""
+    monkeypatch.setattr(P, '_GEOMETRY', {})  # geometries are kept per shape: these tiles' apart
     monkeypatch.setattr(P, 'block_for', lambda dtype: 32 if dtype == torch.float64 else 64)
     monkeypatch.setattr(P, 'cl_blocks', lambda c, size: (min(triton.next_power_of_2(c), 8), 16))
 
