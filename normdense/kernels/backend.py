@@ -118,9 +118,12 @@ def give_up_triton(option, error) -> None:
                       stacklevel=3)
 
 
-def exporting() -> bool:
+def exporting(compiling: Optional[bool] = None) -> bool:
     """True while a graph is recorded for another runtime (either torch.onnx exporter, torch.export,
-    torch.jit.trace): no backend runs then, the layers take their eval form of standard ops."""
+    torch.jit.trace): no backend runs then, the layers take their eval form of standard ops. ``compiling``:
+    ``torch.compiler.is_compiling()`` where the caller has it (Dynamo traces the public queries only)."""
+    if torch.compiler.is_compiling() if compiling is None else compiling:
+        return torch.onnx.is_in_onnx_export() or torch.jit.is_tracing() or _is_exporting()
     return _in_onnx_export() or torch._C._is_tracing() or _is_exporting()
 
 

@@ -248,10 +248,11 @@ class StatNorm2d(nn.Module):
     # --- forward --------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
-        if exporting():  # a graph recorded for another runtime: standard ops, eval mode only
+        compiling = torch.compiler.is_compiling()
+        if exporting(compiling):  # a graph recorded for another runtime: standard ops, eval mode only
             return self._export_form(x)
         if self.fused and self._fusable(x):
-            return self._statnorm_forward(x)
+            return self._statnorm_forward(x, compiling)
         return self._reference(x)
 
     def _check_input(self, x: torch.Tensor) -> None:
@@ -273,9 +274,9 @@ class StatNorm2d(nn.Module):
                                f'estimate updates cannot be recorded): call model.eval() before exporting')
         return self._eval_form(x)
 
-    def _statnorm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _statnorm_forward(self, x: torch.Tensor, compiling: Optional[bool] = None) -> torch.Tensor:
         """The layer's output on a non-empty x (N, C, *positions) by the engine."""
-        if torch.compiler.is_compiling():  # one opaque operator for the compiler
+        if torch.compiler.is_compiling() if compiling is None else compiling:  # one opaque operator for the compiler
             from ..kernels.torch_op import compiled_call
             if self.mode == 'estimate' and self.training:
                 self.__dict__['_op_marks_iteration'] = True  # its backward ends the iteration
