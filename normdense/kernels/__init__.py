@@ -9,14 +9,14 @@ kernel), ``bcn.py``, ``proxy_norm.py``, ``unitization.py`` each layer's coeffici
 ``activations.py`` GN+PN's phi, ``common.py`` what they share (float arguments, tiles, block sizes, the
 second stage). Importing this package imports no triton.
 """
-from .backend import backend_name
+from . import backend as _backend
 
 
 def resolve(option, x):
     """The backend (a ``backend.Backend``) that runs a layer with ``backend`` option ``option`` on input ``x``: the
     option, else ``$NORMDENSE_BACKEND``, else auto (``backend.backend_name``). The engine asks once per layer and
     input dtype and device (its plan): a changed environment variable is seen by layers and inputs new to it."""
-    if backend_name(option, x) == 'aten':
+    if _backend.backend_name(option, x) == 'aten':
         from .aten import AtenBackend
         return AtenBackend
     from .triton import TritonBackend  # triton imported only when it runs

@@ -98,6 +98,11 @@ def _device_of(t):
     return t.device  # why a function: the tests fake a second CUDA device on CPU tensors
 
 
+def current_device() -> int:
+    """The current CUDA device's index (what Triton launches on); a function: the tests fake devices."""
+    return torch._C._cuda_getDevice()
+
+
 def compile_errors() -> tuple:
     """The exception types of a kernel that does not compile (Triton's frontend, ptxas, resources)."""
     from triton.compiler.errors import CompilationError

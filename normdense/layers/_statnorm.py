@@ -283,7 +283,7 @@ class StatNorm2d(nn.Module):
             return self._watch(compiled_call(self, x))
         plan = self.__dict__['_plans'].get((x.dtype, x.device, _backend._STATE['broken']))
         # the direct route (Triton, x's device current, no collectives): no context to enter
-        if plan is not None and plan.direct and (plan.cuda is None or plan.cuda == torch._C._cuda_getDevice()) \
+        if plan is not None and plan.direct and (plan.cuda is None or plan.cuda == _backend.current_device()) \
                 and not (self.sync_stats and _DIST and dist.is_initialized()):
             try:
                 return self._run(x, plan, None, False)
@@ -306,8 +306,9 @@ class StatNorm2d(nn.Module):
         torch_maps = self._coeff_maps(False)
         maps = self._coeff_maps(True) if be.kernel_maps else torch_maps
         device = cuda = None
-        if x.is_cuda and be.kernel_maps:  # launches cached where they compile (the CPU's interpreter: as they are)
-            device = cuda = x.device.index
+        where = _backend._device_of(x)
+        if where.type == 'cuda' and be.kernel_maps:  # launches cached where they compile (the interpreter: none)
+            device = cuda = where.index
         elif be.kernel_maps and stubbed():  # benchmarks/host.py: the cached path, its driver calls stubbed
             device = -1
         act = self._statnorm_act()
@@ -323,7 +324,7 @@ class StatNorm2d(nn.Module):
         # the collectives read m, v: torch code between the passes
         synced = self.sync_stats and _DIST and dist.is_initialized() and dist.get_world_size() > 1
         try:
-            if plan.cuda is not None and plan.cuda != torch._C._cuda_getDevice():
+            if plan.cuda is not None and plan.cuda != _backend.current_device():
                 with torch.cuda.device(plan.cuda):  # Triton launches on the current device and stream
                     return self._run_autocast(x, plan, keep, synced)
             return self._run_autocast(x, plan, keep, synced)
@@ -489,7 +490,7 @@ def _backward_or_fallback(ctx, dy):
         if not call.kernel_maps and autocast_on(x3.device.type):  # torch code between the passes
             with torch.autocast(x3.device.type, enabled=False):
                 return _backward(ctx, x3, dy)
-        if plan.cuda is not None and plan.cuda != torch._C._cuda_getDevice():
+        if plan.cuda is not None and plan.cuda != _backend.current_device():
             with torch.cuda.device(plan.cuda):  # autograd may run the backward with another device current
                 return _backward(ctx, x3, dy)
         return _backward(ctx, x3, dy)

@@ -154,11 +154,10 @@ def test_compile_failure_falls_back_to_aten_with_one_warning(device, name, where
     ATen backend for the call and the rest of the process; the state moves exactly once; a forced 'triton'
     raises instead."""
     from triton.compiler.errors import CompilationError
-    import normdense.layers._statnorm as engine
     tri, aten = pair(name, device=device)
     tri.backend = None
     monkeypatch.setattr(B, '_STATE', {'triton': '', 'broken': None})
-    monkeypatch.setattr(engine, 'selected_backend', lambda layer, x: 'aten' if B._STATE['broken'] else 'triton')
+    monkeypatch.setattr(B, 'backend_name', lambda option, x: 'aten' if B._STATE['broken'] else 'triton')
     failing = {'forward': P._apply_kernel, 'backward': P._sums_kernel}[where]
     kernel_cls = type(failing)
     original = kernel_cls.run
@@ -178,7 +177,7 @@ def test_compile_failure_falls_back_to_aten_with_one_warning(device, name, where
     assert_same(got, run(aten, [x]))
     assert_same(again, run(aten, [x]))
     tri.backend = 'triton'
-    monkeypatch.setattr(engine, 'selected_backend', lambda layer, x: 'triton')
+    monkeypatch.setattr(B, 'backend_name', lambda option, x: 'triton')
     with pytest.raises(CompilationError):
         run(tri, [x])
 
@@ -271,6 +270,7 @@ def test_every_launch_on_the_tensors_device(name, monkeypatch):
         return launch(self, *args, **kwargs)
 
     monkeypatch.setattr(B, '_device_of', lambda t: torch.device('cuda', 1))
+    monkeypatch.setattr(B, 'current_device', lambda: current[0])
     monkeypatch.setattr(torch.cuda, 'device', FakeDevice)
     monkeypatch.setattr(InterpretedFunction, 'run', record)
     tri, _ = pair(name, torch.float32)
