@@ -18,7 +18,6 @@ is walked in chunks (passes for the group sums, then the outputs). The VJP recom
 """
 import functools
 
-import torch
 import triton
 import triton.language as tl
 

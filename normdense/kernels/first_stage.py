@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .backend import STATS_BATCH, STATS_ESTIMATE, STATS_NONE
-from .common import acc_dtype, cdiv, from_hi_lo, hi_lo, next_pow2
+from .common import cdiv, from_hi_lo, hi_lo, next_pow2
 from .launch import launcher
 
 
