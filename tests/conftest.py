@@ -56,9 +56,26 @@ def _module_group(item):
     return None
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
+# The quick loop, `make test-fast` (-m "not slow"), leaves out the tests marked slow by hand (over ~30 s on 2
+# cores) and those whose recorded time is over FAST_LIMIT seconds: tests/durations.json, from a `make test` run
+# with --durations=0 (docs/testing.md says how to refresh it). `make test` runs them all.
+FAST_LIMIT = 3.0
+DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'durations.json')
+
+
+def _mark_recorded_slow(items):
+    import json
+    with open(DURATIONS) as f:
+        recorded = json.load(f)
+    for item in items:
+        if recorded.get(item.nodeid, 0) > FAST_LIMIT and item.get_closest_marker('slow') is None:
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects, and before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     _skip_unavailable(items)
+    _mark_recorded_slow(items)
     if WORKER is None:
         return
     for item in items:

@@ -50,6 +50,7 @@ def _check_rows(data, measured_layers):
     assert data['whitening']['zca_over_iternorm'] > 0 and data['whitening']['zca_over_newton'] > 0
 
 
+@pytest.mark.slow  # ~90 s on 2 cores: every Triton row in the interpreter
 def test_quick_cpu_run_writes_complete_json_and_table(tmp_path):
     from normdense.layers.bcn import BatchChannelNorm2d
     data, md = _run(tmp_path)

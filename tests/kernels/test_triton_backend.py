@@ -183,6 +183,7 @@ def test_compile_failure_falls_back_to_aten_with_one_warning(device, name, where
         run(tri, [x])
 
 
+@pytest.mark.slow  # ~40-80 s on 2 cores: the self-check's step (2x64x37x45, four layers) in the interpreter
 def test_self_check_triton_step(device, monkeypatch):
     """``python -m normdense.self_check``'s GPU step (here on the interpreter's CPU tensors): None when the
     kernels match the ATen backend, one line naming the layer when they do not."""
@@ -318,6 +319,7 @@ def small_coefficient_tiles(monkeypatch):
             monkeypatch.setattr(module, name, functools.partial(getattr(module, name), tile=32))
 
 
+@pytest.mark.slow  # 25-40 s each on 2 cores: three steps of 24 samples in the interpreter
 @pytest.mark.parametrize('name', ['bcn-estimate', 'bcn-batch-channel-affine', 'gnpn-gelu',
                                   'lnpn-silu-no-proxy-affine', 'unitization-batch', 'unitization-batch-cumulative'])
 def test_large_batch_sums_in_sample_blocks(device, name, monkeypatch):
