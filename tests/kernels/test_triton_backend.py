@@ -195,6 +195,7 @@ def test_self_check_triton_step(device, monkeypatch):
     assert problem.startswith('BCN estimate: the Triton kernels differ from the ATen backend on ') and '\n' not in problem
 
 
+@pytest.mark.slow  # 28-31 s on 2 shared cores: two interpreters importing the stack
 def test_sync_stats_two_processes(tmp_path, monkeypatch):
     """Two gloo processes, ``sync_stats``: BCN batch / estimate and Unitization estimate on the Triton backend
     equal the ATen backend on each rank over two steps (outputs, input and parameter gradients, buffers),
