@@ -132,8 +132,8 @@ def _process_state():
     backend = sys.modules.get('normdense.kernels.backend')
     return dict(env={k: os.environ.get(k) for k in _ENV},
                 triton_given_up=backend._STATE['broken'] if backend is not None else None,
-                deterministic=(torch.are_deterministic_algorithms_enabled(),
-                               torch.utils.deterministic.fill_uninitialized_memory),
+                deterministic=(torch.are_deterministic_algorithms_enabled(),  # the second: torch >= 2.1
+                               getattr(getattr(torch.utils, 'deterministic', None), 'fill_uninitialized_memory', None)),
                 default_dtype=torch.get_default_dtype(), grad_enabled=torch.is_grad_enabled(),
                 threads=torch.get_num_threads(), cwd=os.getcwd())
 
