@@ -5,12 +5,17 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 export VENV PYTHON MIN_VENV
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test` / `make test-fast` (TEST_WORKERS=0: one process, no xdist; auto: one per
+# core). loadgroup: tests marked xdist_group (tests/conftest.py groups a module's tests that share a
+# module-scoped fixture) run in one worker; the rest are handed out one by one. docs/testing.md.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: install demo test test-fast test-min self-check clean-venv help
 
 help:
 	@echo "make demo        install if needed, then pretrain a backbone (toy ImageNet), convert it, fine-tune + evaluate Mask R-CNN (BCN+WS) on toy COCO"
-	@echo "make test        install if needed, then run the whole test suite"
+	@echo "make test        install if needed, then run the whole test suite (TEST_WORKERS=2 xdist workers)"
 	@echo "make demo-seg    install if needed, then train + evaluate DeepLabV3 (BCN+WS) on toy VOC"
 	@echo "make install     create $(VENV) with the pinned OpenMMLab stack and normdense (idempotent)"
 	@echo "make test-fast   the test suite without tests marked slow"
@@ -27,10 +32,10 @@ demo: install
 	@bash scripts/demo_det.sh
 
 test: install
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests $(XDIST) $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 # The lowest ends of the ranges in normdense/version.py (requirements/min.txt). Tests marked `codebases`
 # build mmdet/mmseg models (mmcv ops); test_recompute_saves_only_the_input of IterNorm counts the plain

@@ -54,6 +54,7 @@ def _check_rows(data, measured_layers):
     assert all(r['dy_us'] > 0 and r['python_calls'] > 0 for r in host['results'])
 
 
+@pytest.mark.slow  # ~90 s on 2 cores: every Triton row in the interpreter
 def test_quick_cpu_run_writes_complete_json_and_table(tmp_path):
     from normdense.layers.bcn import BatchChannelNorm2d
     data, md = _run(tmp_path)

@@ -141,6 +141,7 @@ def run_tool(*args, cwd):
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # 29-45 s on 2 shared cores: tool runs in subprocesses, each importing the stack
 def test_tool_exit_status_and_train_check_data(coco, tmp_path):
     opts = ['--cfg-options', *(f'{d}.dataset.data_root={coco}/' for d in ('train_dataloader', 'val_dataloader',
                                                                          'test_dataloader'))]

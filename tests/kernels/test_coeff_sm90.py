@@ -7,9 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow  # 24-43 s on 2 shared cores: compiles the coefficient kernels for sm_90 in a subprocess
 def test_coefficient_kernels_exact_in_float64_and_without_spills(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
     env['TRITON_CACHE_DIR'] = str(tmp_path / 'triton-cache')  # compiled here, not found in a cache

@@ -147,6 +147,7 @@ def _check(report, name):
     assert not found, f'{M.CHECKS[name]}: {len(found)} violations\n' + '\n'.join(found[:40])
 
 
+@pytest.mark.slow  # the report: ~150-210 s on 2 cores (compiles every variant for sm_90), shared by this module's tests
 def test_report_covers_every_case_setting_and_level(report):
     s = report['settings']
     assert len(report['layers']) == len(s['cases']) * len(s['settings']) >= 14 * 7
@@ -157,26 +158,32 @@ def test_report_covers_every_case_setting_and_level(report):
     assert report['timing']['variants'] <= 1.2 * max(per_level.values()) + large  # the FPN levels share theirs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('check', ['calibration', 'recorded', 'compiles', 'sizes_do_not_specialize'])
 def test_every_variant_compiles_for_sm90(report, check):
     _check(report, check)
 
 
+@pytest.mark.slow
 def test_activation_accesses_are_vectors(report):
     _check(report, 'vector_access')
 
 
+@pytest.mark.slow
 def test_no_register_spills(report):
     _check(report, 'spills')
 
 
+@pytest.mark.slow
 def test_no_fp64_approximation(report):
     _check(report, 'fp64_approx')
 
 
+@pytest.mark.slow
 def test_at_most_6_launches_per_training_step(report):
     _check(report, 'launches')
 
 
+@pytest.mark.slow
 def test_at_most_8x_activation_bytes_per_training_step(report):
     _check(report, 'activation_bytes')

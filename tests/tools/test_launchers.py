@@ -27,6 +27,7 @@ def test_help(tool, tmp_path):
     assert out.returncode == 0 and 'usage:' in out.stdout and '--cfg-options' in out.stdout
 
 
+@pytest.mark.slow  # ~30 s on 2 cores: three tool runs, each importing the stack
 def test_train_two_iterations_then_resume_then_test(tmp_path):
     work = tmp_path / 'work'
     first = run_tool('train.py', CONFIG, '--work-dir', str(work), cwd=tmp_path)
