@@ -265,9 +265,9 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
         return PNConfig(self.num_groups, self.eps, self.act, self.act_kwargs, self.proxy_eps, self.num_samples,
                         self.proxy_scaling, self.proxy_affine)
 
-    def _coeff_maps(self, triton: bool):
+    def _coeff_maps(self, kernel: bool):
         cfg = self._config()
-        if triton:
+        if kernel:
             from ..kernels import proxy_norm as kernels  # triton imported only when it runs
             kw = _triton_kwargs(cfg)
             return (functools.partial(_triton_coeff_map, cfg, kernels.coeff_map, kw),

@@ -208,9 +208,9 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
     def _config(self) -> 'UnitizationConfig':
         return UnitizationConfig(self.eps, self.affine, self.n, self.norm_divisor, self.var_correction)
 
-    def _coeff_maps(self, triton: bool):
+    def _coeff_maps(self, kernel: bool):
         cfg = self._config()
-        if triton:
+        if kernel:
             from ..kernels import unitization as kernels
             return (functools.partial(kernels.coeff_map, **cfg._asdict()),
                     functools.partial(kernels.coeff_vjp, affine=cfg.affine))
