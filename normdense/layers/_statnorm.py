@@ -31,9 +31,8 @@ from ..kernels import resolve
 from ..kernels.backend import (STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, PendingSums, Statistics, StatsRequest,
                                autocast_on, check_backend, exporting, give_up_triton, tracked)
 from ._distributed import synced_batch_moments, synced_batch_moments_vjp
-from ._estimate import Estimates, in_backward, mark_iteration, mark_on_backward
+from ._estimate import _TASK_ID, Estimates, in_backward, mark_iteration, mark_on_backward
 
-_task_id = getattr(torch._C, '_current_graph_task_id', None)  # in_backward() without its two calls a step
 _DIST = dist.is_available()
 _unwrap_if_dead = getattr(getattr(torch._C, '_functorch', None), 'unwrap_if_dead', None)
 # attributes a layer sets per iteration or step: they do not change its plans
@@ -421,7 +420,8 @@ class StatNorm2d(nn.Module):
             request = StatsRequest(STATS_ESTIMATE, rm, rv, it.base, it.rate, 0.1, first, nbt if first else None,
                                    key and key + (first, ))
             return (*be.first_stage(x3, request), 'fixed', None, None if backward else (it, (rm, rv, nbt)))
-        backward = _task_id is not None and _task_id() != -1  # a checkpoint's recomputation: no state change
+        # a checkpoint's recomputation (in_backward(), inlined: two calls a step): no state change
+        backward = _TASK_ID is not None and _TASK_ID() != -1
         request = StatsRequest(STATS_BATCH, rm, rv, None, 0.0, self.momentum, not backward,
                                None if backward else nbt, key and key + (backward, ))
         return (*be.first_stage(x3, request), 'batch', count, None)
