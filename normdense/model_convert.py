@@ -96,7 +96,28 @@ class ConversionReport:
         return self.table()
 
 
+def _layers_only() -> bool:
+    from . import LAYERS_ONLY
+    return LAYERS_ONLY
+
+
+# NORMDENSE_LAYERS_ONLY=1 (a torch-only machine, no mmengine/mmcv): the types resolve here, not through MODELS
+_LOCAL_TYPES = {'BCN': BatchChannelNorm2d, 'GN': nn.GroupNorm, 'GNAuto': GroupNorm, 'IterNorm': IterNorm,
+                'Unitization': Unitization2d, 'BN': nn.BatchNorm2d, 'SyncBN': nn.SyncBatchNorm,
+                'GNPN': GroupProxyNorm, 'WSConv2d': WSConv2d, 'Conv2d': nn.Conv2d}
+
+
+def _registered(name):
+    if _layers_only():
+        return _LOCAL_TYPES.get(name)
+    from mmengine.registry import MODELS
+    return MODELS.get(name)
+
+
 def _log(text):
+    if _layers_only():
+        logging.getLogger('normdense').info(text)
+        return
     from mmengine.logging import print_log
     print_log(text, logger='current', level=logging.INFO)
 
@@ -124,14 +145,13 @@ def _channels(m):
 
 
 def _norm_cfg(norm):
-    from mmengine.registry import MODELS
     cfg = dict(type=norm) if isinstance(norm, str) else dict(norm)
     if 'type' not in cfg:
         raise ValueError(f'norm={norm!r} has no type; e.g. norm=\'BCN\' or dict(type=\'BCN\', mode=\'estimate\')')
     if cfg['type'] in ('GNPN', GroupProxyNorm):
         raise ValueError("norm='GNPN' contains the activation that follows it and cannot replace a layer in place; "
                          "use the norm switch's gn-pn (PNResNet backbone): normdense.switch_norm(cfg, 'gn-pn')")
-    if isinstance(cfg['type'], str) and MODELS.get(cfg['type']) is None and cfg['type'] not in ('BN', 'GN', 'SyncBN'):
+    if isinstance(cfg['type'], str) and _registered(cfg['type']) is None and cfg['type'] not in ('BN', 'GN', 'SyncBN'):
         raise ValueError(f"unknown norm type {cfg['type']!r}; choose one of "
                          "'BCN', 'GN', 'IterNorm', 'Unitization', 'BN', 'SyncBN' (or a registered norm)")
     if cfg['type'] == 'GN':
@@ -140,24 +160,36 @@ def _norm_cfg(norm):
 
 
 def _conv_cfg(conv):
-    from mmengine.registry import MODELS
     cfg = dict(type=conv) if isinstance(conv, str) else dict(conv)
-    if isinstance(cfg.get('type'), str) and MODELS.get(cfg['type']) is None and cfg['type'] != 'Conv2d':
+    if isinstance(cfg.get('type'), str) and _registered(cfg['type']) is None and cfg['type'] != 'Conv2d':
         raise ValueError(f"unknown conv type {cfg['type']!r}; choose 'WSConv2d' (or a registered conv)")
     return cfg
 
 
 def _already(m, cfg) -> bool:
-    from mmengine.registry import MODELS
-    cls = MODELS.get(cfg['type']) if isinstance(cfg['type'], str) else cfg['type']
+    cls = _registered(cfg['type']) if isinstance(cfg['type'], str) else cfg['type']
     return isinstance(cls, type) and isinstance(m, cls)
 
 
+def _build_layer(cfg, *args, **kwargs):
+    """mmcv's builders' construction without mmcv: ``cls(*args, **cfg, **kwargs)`` (GN takes num_channels)."""
+    cfg = dict(cfg)
+    kind, requires_grad = cfg.pop('type'), cfg.pop('requires_grad', True)
+    cls = _registered(kind) if isinstance(kind, str) else kind
+    layer = cls(num_channels=args[0], **cfg) if cls is nn.GroupNorm else cls(*args, **cfg, **kwargs)
+    for p in layer.parameters():
+        p.requires_grad = requires_grad
+    return layer
+
+
 def _build_norm(cfg, source):
-    from mmcv.cnn import build_norm_layer
     cfg = dict(cfg)
     cfg.setdefault('eps', source.eps)
-    layer = build_norm_layer(cfg, _channels(source))[1]
+    if _layers_only():
+        layer = _build_layer(cfg, _channels(source))
+    else:
+        from mmcv.cnn import build_norm_layer
+        layer = build_norm_layer(cfg, _channels(source))[1]
     ref = next(iter(list(source.parameters()) + list(source.buffers())), None)
     if ref is not None:
         layer = layer.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)
@@ -228,7 +260,10 @@ def _set(model, name, new):
 
 
 def _ws_from_conv(cfg, conv):
-    from mmcv.cnn import build_conv_layer
+    if _layers_only():
+        build_conv_layer = _build_layer
+    else:
+        from mmcv.cnn import build_conv_layer
     new = build_conv_layer(cfg, conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride,
                            padding=conv.padding, dilation=conv.dilation, groups=conv.groups,
                            bias=conv.bias is not None, padding_mode=conv.padding_mode)

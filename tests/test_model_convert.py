@@ -144,3 +144,47 @@ def test_normdense_group_norm_converts_as_nn_group_norm(net):
     assert isinstance(model.block[1], BatchChannelNorm2d)
     assert model.normdense_conversion.counts()[('GroupNorm', 'BatchChannelNorm2d')] == 1
     torch.testing.assert_close(model.block[1].weight, torch.arange(8, dtype=torch.float64) + 1)
+
+
+_TORCH_ONLY = r'''
+import importlib.abc, os, sys
+class Block(importlib.abc.MetaPathFinder):  # a torch-only machine (the GPU image): no mmengine, no mmcv
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('mmengine', 'mmcv'):
+            raise ImportError(f'blocked: {name}')
+sys.meta_path.insert(0, Block())
+os.environ['NORMDENSE_LAYERS_ONLY'] = '1'
+import torch
+import torch.nn as nn
+HARDCODED
+from normdense.model_convert import convert_model
+for norm, conv in NORMS:
+    torch.manual_seed(0)
+    model = convert_model(HardCoded().double(), norm=norm, conv=conv, verbose=False)
+    out = model.train()(torch.randn(2, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))
+    print(repr(norm), [type(m).__name__ for m in model.modules()], sorted(model.state_dict()),
+          [p.requires_grad for p in model.parameters()], out.sum().item())
+'''
+_NORMS = [(dict(type='BCN', mode='estimate', update_rate=0.1), 'WSConv2d'), ('GN', 'WSConv2d'), ('Unitization', None),
+          ('IterNorm', None), (dict(type='GN', num_groups=8, requires_grad=False), None)]
+
+
+def test_converts_on_a_torch_only_machine_as_through_the_registry(tmp_path):
+    """The GPU image has torch but no mmengine/mmcv: under NORMDENSE_LAYERS_ONLY=1 convert_model builds the same
+    layers (types, state keys, training output) without them."""
+    import inspect
+    import subprocess
+    import sys
+    script = tmp_path / 'torch_only.py'
+    script.write_text(_TORCH_ONLY.replace('NORMS', repr(_NORMS)).replace('HARDCODED', inspect.getsource(HardCoded)))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == len(_NORMS)
+    for (norm, conv), line in zip(_NORMS, lines):
+        torch.manual_seed(0)
+        model = convert_model(HardCoded().double(), norm=norm, conv=conv, verbose=False)
+        out = model.train()(x())
+        expect = (f'{norm!r} {[type(m).__name__ for m in model.modules()]} {sorted(model.state_dict())} '
+                  f'{[p.requires_grad for p in model.parameters()]} {out.sum().item()}')
+        assert line == expect
