@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# One command for a GPU machine (issue 27): the CUDA and kernel tests, benchmarks/gpu.py at P2/P3 in bf16 and
-# fp32, compute-sanitizer memcheck on one training step of each Triton-backed layer and racecheck on one, in
-# under 10 minutes on one H100.
+# One command for a GPU machine (issues 27, 52): where the fp16 GN+PN input gradient leaves float64
+# (scripts/gpu_grad_diag.py), the CUDA and kernel tests, compute-sanitizer memcheck on one training step of each
+# Triton-backed layer and racecheck on one, benchmarks/gpu.py at P2/P3 in bf16 and fp32 (host and device time
+# apart), and a whole detector's training step (benchmarks/detector_step.py), in under 8 minutes on one H100/H200.
 #
 #   scripts/gpu_check.sh RESULTS_DIR          # PYTHON=... to choose the interpreter (default python3)
-#   GPU_CHECK_SECONDS=450 scripts/gpu_check.sh RESULTS_DIR    # a shorter budget (default 570 s)
+#   GPU_CHECK_SECONDS=300 scripts/gpu_check.sh RESULTS_DIR    # a shorter budget (default 440 s)
+#   GPU_CHECK_STEPS=diag,pytest scripts/gpu_check.sh RESULTS_DIR   # some steps only (diag, pytest, memcheck,
+#                                                                  # benchmark, detector; default all)
 #
-# Needs only torch and triton (and pytest) from the machine: nothing is installed or downloaded, mmcv is not
-# needed (NORMDENSE_LAYERS_ONLY=1 where mmengine or mmcv is missing; mmengine's tests are then reported as
-# skipped); pytest-xdist, where there, runs the tests in 8 processes. Writes into RESULTS_DIR (8 files):
-# pytest.log, sanitizer.log, racecheck.log, benchmark.log, benchmark.json (the numbers), benchmark.md (the
-# table), summary.md and summary.json (each step's outcome, the machine).
-# Without a GPU it says so in one line and exits 1; without triton, compute-sanitizer or pytest it skips
-# the steps that need them, one line each. Exit status 1 when a step failed.
+# Needs only torch and triton (and pytest; torchvision for the detector) from the machine: nothing is installed
+# or downloaded, mmcv is not needed (NORMDENSE_LAYERS_ONLY=1 where mmengine or mmcv is missing; mmengine's tests
+# are then reported as skipped); pytest-xdist, where there, runs the tests in 12 processes. Writes into
+# RESULTS_DIR: grad_diag.log/.json/.pt, pytest.log, sanitizer.log, racecheck.log, benchmark.log/.json/.md,
+# detector.log/.json/.md, summary.md and summary.json (each step's outcome, the machine).
+# Without a GPU it says so in one line and exits 1; without triton, compute-sanitizer, pytest or torchvision it
+# skips the steps that need them, one line each. Exit status 1 when a step failed.
 set -u
 
 usage="usage: scripts/gpu_check.sh RESULTS_DIR"
@@ -35,7 +38,9 @@ PYTHON=${PYTHON:-python3}
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # the kernels must compile for the GPU, not run in Triton's interpreter
 start=$SECONDS
-deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-570}))  # under 10 minutes with the summary (a lease may want less)
+deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-440}))  # under 8 minutes with the summary (a lease may want less)
+wanted=",${GPU_CHECK_STEPS:-diag,pytest,memcheck,benchmark,detector},"
+wants() { [[ $wanted == *",$1,"* ]]; }
 steps=$(mktemp)
 trap 'rm -f "$steps"' EXIT
 
@@ -60,15 +65,16 @@ try:
 except Exception:
     tv = '-'
 mm = 'yes' if all(importlib.util.find_spec(m) for m in ('mmengine', 'mmcv')) else 'no'
+tvis = 'yes' if importlib.util.find_spec('torchvision') else 'no'
 pt = ('xdist' if importlib.util.find_spec('xdist') else 'yes') if importlib.util.find_spec('pytest') else 'no'
 name = torch.cuda.get_device_name().replace(' ', '_') if gpu else '-'
 print('ok', torch.__version__, torch.version.cuda or '-', int(gpu), name, tv, mm, pt,
-      sys.version.split()[0])
+      sys.version.split()[0], tvis)
 EOF
 )
 set -- $probe
 [ "${1:-}" = ok ] || fail_early "missing: torch in $PYTHON (${probe#notorch }): nothing run"
-torch_v=$2 cuda_v=$3 has_gpu=$4 device=${5//_/ } triton_v=$6 has_mm=$7 has_pytest=$8 py_v=$9
+torch_v=$2 cuda_v=$3 has_gpu=$4 device=${5//_/ } triton_v=$6 has_mm=$7 has_pytest=$8 py_v=$9 has_tv=${10}
 [ "$has_gpu" = 1 ] || fail_early "missing: a CUDA GPU (torch $torch_v, CUDA build $cuda_v, sees none): nothing run"
 [ "$has_mm" = yes ] || export NORMDENSE_LAYERS_ONLY=1
 
@@ -85,8 +91,24 @@ budget() {  # seconds left for a step: at most $1, at least 30
     [ "$left" -lt "$1" ] && echo $((left > 30 ? left : 30)) || echo "$1"
 }
 
+# 0. where the fp16 GN+PN input gradient leaves float64 (issue 52): first, so that its data come back whatever else
+if ! wants diag; then :
+elif [ "$triton_v" = - ]; then
+    echo "gpu_check: missing: triton: the gradient diagnosis not run" >&2
+    record diag SKIPPED 0 "missing: triton"
+else
+    t0=$SECONDS
+    timeout -k 10 "$(budget 80)" "$PYTHON" scripts/gpu_grad_diag.py "$out" >"$out/grad_diag.log" 2>&1
+    rc=$?
+    line=$(grep -E '^gpu_grad_diag: ' "$out/grad_diag.log" | tail -n 1)
+    [ "$rc" = 0 ] && status=PASS || status=FAIL
+    [ "$rc" = 124 ] && line="stopped at its time limit; $(grep -c '^ok ' "$out/grad_diag.log") cases ok"
+    record diag "$status" $((SECONDS - t0)) "${line:-see grad_diag.log}"
+fi
+
 # 1. tests/cuda and tests/kernels on CUDA
-if [ "$has_pytest" = no ]; then
+if ! wants pytest; then :
+elif [ "$has_pytest" = no ]; then
     echo "gpu_check: missing: pytest: the CUDA and kernel tests not run" >&2
     record pytest SKIPPED 0 "missing: pytest"
 else
@@ -94,14 +116,14 @@ else
     # the sm_90 report compiles on the CPU and rewrites a committed file: CI's job, not the GPU's
     deselect=(--deselect tests/kernels/test_sm90_report.py)
     workers=()  # Triton compiles on the CPU: spread the kernel variants over processes sharing the GPU
-    [ "$has_pytest" = xdist ] && workers=(-n 8)
+    [ "$has_pytest" = xdist ] && workers=(-n 12)
     if [ "$triton_v" = - ]; then
         echo "gpu_check: missing: triton: tests/kernels and the Triton-vs-ATen CUDA test not run" >&2
         paths=(tests/cuda)
         deselect+=(--deselect tests/cuda/test_triton_cuda.py::test_triton_matches_aten_on_cuda)
     fi
     t0=$SECONDS
-    timeout -s INT -k 20 "$(budget 210)" "$PYTHON" -m pytest "${paths[@]}" "${deselect[@]}" "${workers[@]}" -q -ra \
+    timeout -s INT -k 20 "$(budget 150)" "$PYTHON" -m pytest "${paths[@]}" "${deselect[@]}" "${workers[@]}" -q -ra \
         -p no:cacheprovider >"$out/pytest.log" 2>&1
     rc=$?
     line=$(grep -E '(passed|failed|error|skipped|no tests ran)' "$out/pytest.log" | tail -n 1 | tr -d '=' | xargs)
@@ -110,20 +132,9 @@ else
     record pytest "$status" $((SECONDS - t0)) "${line:-see pytest.log}"
 fi
 
-# 2. the benchmark (its targets are reported, not failed on)
-t0=$SECONDS
-timeout -k 20 "$(budget 150)" "$PYTHON" benchmarks/gpu.py --levels P2,P3 --dtypes bf16,fp32 \
-    --out "$out/benchmark.json" --md "$out/benchmark.md" \
-    >"$out/benchmark.log" 2>&1
-rc=$?
-[ "$rc" = 0 ] && status=PASS || status=FAIL
-line="targets: $(grep -c '^PASS ' "$out/benchmark.log") PASS, $(grep -c '^FAIL ' "$out/benchmark.log") FAIL"
-[ "$rc" = 124 ] && line="stopped at its time limit"
-[ "$triton_v" = - ] && line="$line (no triton: its Triton rows n/a)"
-record benchmark "$status" $((SECONDS - t0)) "$line"
-
-# 3. compute-sanitizer memcheck on one training step of each Triton-backed layer
-if [ "$triton_v" = - ]; then
+# 2. compute-sanitizer memcheck on one training step of each Triton-backed layer
+if ! wants memcheck; then :
+elif [ "$triton_v" = - ]; then
     echo "gpu_check: missing: triton: the memcheck step not run" >&2
     record memcheck SKIPPED 0 "missing: triton"
 elif [ -z "$sanitizer" ]; then
@@ -131,7 +142,7 @@ elif [ -z "$sanitizer" ]; then
     record memcheck SKIPPED 0 "missing: compute-sanitizer"
 else
     t0=$SECONDS
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 20 "$(budget 110)" "$sanitizer" --tool memcheck \
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 20 "$(budget 40)" "$sanitizer" --tool memcheck \
         --error-exitcode 1 --print-limit 50 "$PYTHON" scripts/gpu_step.py >"$out/sanitizer.log" 2>&1
     rc=$?
     line=$(grep -E 'ERROR SUMMARY' "$out/sanitizer.log" | tail -n 1 | sed 's/^=* *//')
@@ -141,7 +152,7 @@ else
     record memcheck "$status" $((SECONDS - t0)) \
         "${line:-see sanitizer.log} ($(grep -c '^ok ' "$out/sanitizer.log") steps ok)${why:+; $why}"
     t0=$SECONDS  # racecheck (shared-memory hazards) is slow: one step
-    timeout -k 20 "$(budget 60)" "$sanitizer" --tool racecheck --error-exitcode 1 --print-limit 50 \
+    timeout -k 20 "$(budget 25)" "$sanitizer" --tool racecheck --error-exitcode 1 --print-limit 50 \
         "$PYTHON" scripts/gpu_step.py --one >"$out/racecheck.log" 2>&1
     rc=$?
     line=$(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$out/racecheck.log" | tail -n 1 | sed 's/^=* *//')
@@ -149,6 +160,37 @@ else
     [ "$rc" = 124 ] && line="stopped at its time limit; $line"
     record racecheck "$status" $((SECONDS - t0)) \
         "${line:-see racecheck.log} ($(grep -c '^ok ' "$out/racecheck.log") steps ok)"
+fi
+
+# 3. the benchmark (its targets are reported, not failed on); kernels compiled by the tests are in the cache
+if wants benchmark; then
+    t0=$SECONDS
+    timeout -k 20 "$(budget 70)" "$PYTHON" benchmarks/gpu.py --levels P2,P3 --dtypes bf16,fp32 --repeats 8 --warmup 2 \
+        --out "$out/benchmark.json" --md "$out/benchmark.md" \
+        >"$out/benchmark.log" 2>&1
+    rc=$?
+    [ "$rc" = 0 ] && status=PASS || status=FAIL
+    line="targets: $(grep -c '^PASS ' "$out/benchmark.log") PASS, $(grep -c '^FAIL ' "$out/benchmark.log") FAIL"
+    [ "$rc" = 124 ] && line="stopped at its time limit"
+    [ "$triton_v" = - ] && line="$line (no triton: its Triton rows n/a)"
+    record benchmark "$status" $((SECONDS - t0)) "$line"
+fi
+
+# 4. a whole detector's training step (torchvision's Mask R-CNN v2, converted norms), bf16 autocast
+if ! wants detector; then :
+elif [ "$has_tv" != yes ]; then
+    echo "gpu_check: missing: torchvision: the detector step not run" >&2
+    record detector SKIPPED 0 "missing: torchvision"
+else
+    t0=$SECONDS
+    timeout -k 10 "$(budget 70)" "$PYTHON" benchmarks/detector_step.py --steps 20 --warmup 2 \
+        --out "$out/detector.json" --md "$out/detector.md" >"$out/detector.log" 2>&1
+    rc=$?
+    [ "$rc" = 0 ] && status=PASS || status=FAIL
+    line="targets: $(grep -c '^PASS ' "$out/detector.log") PASS, $(grep -c '^FAIL ' "$out/detector.log") FAIL"
+    [ "$rc" = 124 ] && line="stopped at its time limit"
+    [ "$rc" != 0 ] && [ "$rc" != 124 ] && line="$(grep -E 'Error|error' "$out/detector.log" | tail -n 1)"
+    record detector "$status" $((SECONDS - t0)) "$line"
 fi
 
 # summary.md and summary.json
@@ -165,9 +207,10 @@ md = [f'# gpu_check on {device}', '',
       f'torch {torch_v} (CUDA {cuda_v}), triton {triton_v}, Python {py_v}; {wall} s in all.', '',
       '| step | result | seconds | detail |', '|---|---|---|---|']
 md += [f"| {s['step']} | {s['status']} | {s['seconds']} | {s['detail']} |" for s in steps]
-bench = os.path.join(out, 'benchmark.md')
-if os.path.exists(bench):
-    md += ['', '## benchmarks/gpu.py', '', open(bench).read()]
+for name, title in (('benchmark.md', 'benchmarks/gpu.py'), ('detector.md', 'benchmarks/detector_step.py')):
+    path = os.path.join(out, name)
+    if os.path.exists(path):
+        md += ['', f'## {title}', '', open(path).read()]
 open(os.path.join(out, 'summary.md'), 'w').write('\n'.join(md) + '\n')
 EOF
 echo "gpu_check: results in $out ($((SECONDS - start)) s)"

@@ -32,10 +32,10 @@ from tests.cuda.test_triton_cuda import DTYPES, LAYERS, LEVELS, STEPS, _build, _
 
 CASES = [  # (layer, level, dtype, source, seed): the failing one first, then its neighbours
     ('GNPN-relu', 'P3', 'fp16', 'cuda', 1), ('GNPN-relu', 'P3', 'fp16', 'cpu', 1),
-    ('GNPN-relu', 'P3', 'fp16', 'cuda', 2), ('GNPN-relu', 'P3', 'fp16', 'cuda', 3),
+    ('GNPN-relu', 'P3', 'fp16', 'cuda', 2),
     ('GNPN-relu', 'P4', 'fp16', 'cuda', 1), ('GNPN-relu', 'P2', 'fp16', 'cuda', 1),
     ('GNPN-relu', 'P3', 'bf16', 'cuda', 1), ('GNPN-relu', 'P3', 'fp32', 'cuda', 1),
-    ('GNPN-gelu', 'P3', 'fp16', 'cuda', 1), ('BCN-batch', 'P3', 'fp16', 'cuda', 1),
+    ('GNPN-gelu', 'P3', 'fp16', 'cuda', 1),
 ]
 TOP = 8
 

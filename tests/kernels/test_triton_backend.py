@@ -198,13 +198,14 @@ def test_self_check_triton_step(device, monkeypatch):
 
 
 @pytest.mark.slow  # 28-31 s on 2 shared cores: two interpreters importing the stack
-def test_sync_stats_two_processes(tmp_path, monkeypatch):
+def test_sync_stats_two_processes(device, tmp_path, monkeypatch):
     """Two gloo processes, ``sync_stats``: BCN batch / estimate and Unitization estimate on the Triton backend
     equal the ATen backend on each rank over two steps (outputs, input and parameter gradients, buffers),
     with a rank whose batch is empty on the reference path pairing its all-reduces with the kernels' rank."""
     from tests.layers.two_ranks import run_two_ranks
-    monkeypatch.setenv('TRITON_INTERPRET', '1')  # the workers' CPU tensors, on a GPU machine too
-    ranks = run_two_ranks(tmp_path, 'tests.kernels.dist_triton_worker')
+    if device == 'cpu':  # the workers' CPU tensors in the interpreter; on a GPU both ranks share it, compiled
+        monkeypatch.setenv('TRITON_INTERPRET', '1')
+    ranks = run_two_ranks(tmp_path, 'tests.kernels.dist_triton_worker', device)
     for r in ranks:
         names = {key.split('/')[0] for key in r}
         assert len(names) == 4
