@@ -133,48 +133,33 @@ def mmdeploy_compat():
 
 
 def model_config(config, norm: Optional[str] = None, cfg_options: Optional[dict] = None):
-    """The model config as mmdeploy must see it: a plain ``cfg.model`` with the normdense layers in it.
-
-    mmdeploy builds ``cfg.model`` itself, so the norm switch's other forms do not reach it: the runner form
-    (``normdense_norm``, what ``tools/train.py --norm`` records) would build the un-switched model and load the
-    checkpoint non-strictly, and the model-type form (``type='NormSwitched'``) hides ``decode_head`` from
-    mmdeploy's segmentation task. Both become the switched plain config here (same state-dict keys).
-    ``norm`` switches to another norm (as ``tools/test.py --norm``). ``config``: a path, a packaged name or a
-    Config (copied)."""
-    from mmengine.config import Config
-
-    from ..codebases import read_config
-    from ..norm_switch import parse_spec, switch_norm
-    cfg = copy.deepcopy(config) if isinstance(config, Config) else read_config(config)
-    if cfg_options:
-        cfg.merge_from_dict(cfg_options)
-    spec = cfg.get('normdense_norm')
-    if cfg.model.get('type') == 'NormSwitched':
-        wrapped = cfg.model
-        cfg.model = copy.deepcopy(wrapped['model'])
-        if wrapped.get('data_preprocessor') is not None:
-            cfg.model.setdefault('data_preprocessor', wrapped['data_preprocessor'])
-        spec = {k: wrapped[k] for k in ('norm', 'num_groups', 'channels_per_group', 'exclude', 'convert')
-                if k in wrapped}
-    if norm is not None:
-        spec = dict(parse_spec(spec), norm=norm) if spec else norm
-    if spec:
-        spec = parse_spec(spec)
-        if spec['convert']:
-            raise ExportError('a norm switch with convert=True converts layers after the model is built, which '
-                              "mmdeploy's own model build does not do: export with tools/deploy.py --onnx")
-        switch_norm(cfg, spec)
+    """The model config as mmdeploy must see it: a plain ``cfg.model`` with the normdense layers in it
+    (:func:`normdense.deploy.io.switched_config`: mmdeploy builds ``cfg.model`` itself, so the norm switch's
+    other forms do not reach it). ``norm`` switches to another norm (as ``tools/test.py --norm``).
+    ``config``: a path, a packaged name or a Config (copied)."""
+    from .io import switched_config
+    cfg, spec = switched_config(config, norm, cfg_options)
+    if spec and spec['convert']:
+        raise ExportError('a norm switch with convert=True converts layers after the model is built, which '
+                          "mmdeploy's own model build does not do: export with tools/deploy.py --onnx")
     return cfg
 
 
 def _check_checkpoint(cfg, checkpoint: str) -> None:
     # mmdeploy loads with strict=False: a checkpoint of another norm would export a partly random model
     from ..checkpoint import (CheckpointMismatchError, check_checkpoint_path, describe_mismatch, load_mismatch,
-                              read_checkpoint, state_dict_of)
+                              norm_mismatch, read_checkpoint, state_dict_of)
+    from ..errors import debug_requested
     from .io import build_model_from_config
     check_checkpoint_path(checkpoint)
-    mismatch = load_mismatch(build_model_from_config(cfg), state_dict_of(read_checkpoint(checkpoint, logger='silent')))
+    model, state_dict = build_model_from_config(cfg), state_dict_of(read_checkpoint(checkpoint, logger='silent'))
+    mismatch = load_mismatch(model, state_dict)
     if any(mismatch):
+        other_norm = norm_mismatch(model.state_dict().keys(), state_dict.keys())
+        if other_norm:
+            keys = f' ({describe_mismatch(*mismatch)})' if debug_requested() else ''
+            raise CheckpointMismatchError(f'checkpoint {checkpoint} does not match the model config: it {other_norm}'
+                                          f'{keys}')
         raise CheckpointMismatchError(
             f'checkpoint {checkpoint} does not match the model config: {describe_mismatch(*mismatch)}. mmdeploy '
             'loads non-strictly and would export a partly random model: give the config it was trained with '
