@@ -3,8 +3,8 @@
 In eval mode every normdense layer exports with both of torch's exporters: the TorchScript one
 (``dynamo=False``, what mmdeploy drives) and ``dynamo=True``. While a graph is recorded, BCN, GN+PN and
 Unitization run the modules of their inference form (``eval_form()``, ``layers/eval_form.py``) instead of the
-training engine; WS, IterNorm, EquiNorm and GNAuto are standard ops already. A fused model (``fuse``) holds only torch.nn
-modules. The codebases' models are wrapped by :func:`exportable` into a module of tensors in, tensors out.
+training engine; WS, IterNorm, EquiNorm and GNAuto are standard ops already. A fused model (``fuse``) holds only
+torch.nn modules. The codebases' models are wrapped by :func:`exportable` into a module of tensors in, tensors out.
 docs/deploy.md.
 """
 import contextlib

@@ -258,8 +258,8 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
         k = torch.rsqrt(var + self.proxy_eps) if self.proxy_scaling else torch.ones_like(var)
         gn = nn.GroupNorm(self.num_groups, self.num_channels, eps=self.eps, device=weight.device, dtype=weight.dtype)
         gn.weight, gn.bias = frozen(weight), frozen(self.bias)
-        rest = nn.Sequential(gn, activation_module(self.act, self.act_kwargs), ChannelAffine.of(k, -mean * k, weight.dtype,
-                                                                                                self.num_channels))
+        proxy = ChannelAffine.of(k, -mean * k, weight.dtype, self.num_channels)
+        rest = nn.Sequential(gn, activation_module(self.act, self.act_kwargs), proxy)
         return EvalForm(None, None, rest.train(False), weight.dtype, self.num_channels)
 
     def _statnorm_params(self):
