@@ -15,6 +15,7 @@ tensors (``torch.serialization.get_unsafe_globals_in_checkpoint`` lists them):
 Every other global is still refused, so a checkpoint that pickles an arbitrary class cannot run code.
 """
 import pickle
+from typing import Optional
 
 import numpy as np
 import torch
@@ -258,16 +259,63 @@ def describe_mismatch(missing, unexpected, mismatched) -> str:
     return '; '.join(parts)
 
 
+# the state-dict entries that tell the norms apart (module suffix -> the norm switch's name), strongest first
+_NORM_KEYS = (('proxy_beta', 'gn-pn'), ('proxy_gamma', 'gn-pn'), ('batch_weight', 'bcn'), ('running_wm', 'iternorm'),
+              ('alpha', 'unitization'), ('running_input_mean', 'equinorm'), ('running_var', 'bn'))
+
+
+def norm_of_keys(keys) -> str:
+    """The norm a state dict's keys hold, by the switch's names (``'bcn-ws'``, ``'gn-pn'``, ``'bn'``, ...): the
+    most specific norm any module has, ``-ws`` where a conv records a WS formula (``_extra_state``); ``'gn'`` where
+    no module keeps statistics or norm-specific parameters."""
+    leaves = {k.rsplit('.', 1)[-1] for k in keys}
+    norm = next((name for leaf, name in _NORM_KEYS if leaf in leaves), 'gn')
+    from .layers.ws import EXTRA_STATE_KEY
+    return norm + '-ws' if EXTRA_STATE_KEY in leaves and norm in ('gn', 'bcn', 'bn') else norm
+
+
+def norm_mismatch(model_keys, checkpoint_keys) -> Optional[str]:
+    """Where the checkpoint holds another norm than the model (a run trained with ``--norm``, loaded with the
+    config as written), what to say after "checkpoint NAME": both norms and the fix; else None."""
+    held, built = norm_of_keys(checkpoint_keys), norm_of_keys(model_keys)
+    from .layers.ws import EXTRA_STATE_KEY
+    # saved before WS recorded its formula (_extra_state): the keys cannot tell WS apart
+    if held == built or built == held + '-ws' and not any(k.endswith(EXTRA_STATE_KEY) for k in checkpoint_keys):
+        return None
+    fix = f'--norm {held}' if held in _switch_names() else f'the {held} config'
+    return (f'holds {held} layers and the config builds {built}: pass {fix} (as the run was trained with), or the '
+            'config saved in its work dir')
+
+
+def _switch_names():
+    from .norm_switch import CHOICES
+    return CHOICES
+
+
+def _debug() -> bool:
+    from .errors import debug_requested
+    return debug_requested()
+
+
 def check_load(model, checkpoint, name, allow_partial=False, logger='current',
                hint='pass --allow-partial-load (or set allow_partial_load=True in the config)'):
     """Refuse (one line, on every rank) a checkpoint that would leave part of ``model`` at its
     initialization, or with ``allow_partial`` log at warning level every tensor that stays at its
-    initialization. ``checkpoint``: a loaded checkpoint or a bare state dict."""
+    initialization. ``checkpoint``: a loaded checkpoint or a bare state dict. A checkpoint of another norm is
+    one line naming both norms and the fix (``--debug``: with the keys), never a partial load's advice.
+    ``hint``: how to load partially (None: no partial load is offered)."""
     from mmengine.logging import print_log
-    missing, unexpected, mismatched = load_mismatch(model, state_dict_of(checkpoint))
+    state_dict = state_dict_of(checkpoint)
+    missing, unexpected, mismatched = load_mismatch(model, state_dict)
     if not (missing or unexpected or mismatched):
         return
     what = describe_mismatch(missing, unexpected, mismatched)
+    other_norm = norm_mismatch(_unwrap(model).state_dict().keys(), state_dict.keys())
+    if other_norm and not allow_partial:
+        raise CheckpointMismatchError(f'checkpoint {name} {other_norm}' + (f' ({what})' if _debug() else ''))
+    if not allow_partial and hint is None:
+        raise CheckpointMismatchError(f'checkpoint {name} does not match the model: {what}. Loads are strict: give '
+                                      'the config the checkpoint was trained with')
     if not allow_partial:
         raise CheckpointMismatchError(
             f'checkpoint {name} does not match the model: {what}. Loads are strict; to load the matching '

@@ -362,3 +362,17 @@ def test_pretrained_note_names_the_matching_weights():
     notes = ' '.join(switch_norm(cfg, 'gn').notes)
     assert 'no ImageNet config for a HRNet with gn' in notes
     assert 'tools/train.py mmpretrain::<its config> --norm gn' in notes and "prefix='backbone.'" in notes
+
+
+def test_gn_pn_keeps_an_explicit_mmdet_stem_width():
+    """An mmdet ResNet whose config gives ``stem_channels`` (here 16, base_channels 32) keeps that stem: the switch
+    fills in base_channels only where the config left the stem to mmdet's default."""
+    from mmdet.registry import MODELS
+    from mmengine.registry import init_default_scope
+    cfg = base_config('mmdet', 'retinanet/retinanet_r18_fpn_1x_coco.py')
+    cfg.model.backbone.update(base_channels=32, stem_channels=16, init_cfg=None)
+    switch_norm(cfg, 'gn-pn')
+    assert cfg.model.backbone.type == 'PNResNet' and cfg.model.backbone.stem_channels == 16
+    init_default_scope('mmdet')
+    backbone = MODELS.build(cfg.model.backbone)
+    assert backbone.conv1.weight.shape[0] == 16 and backbone.layer1[0].conv1.weight.shape[0] == 32

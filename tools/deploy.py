@@ -1,6 +1,9 @@
 """Fold a trained normdense model for inference and/or export it to ONNX.
 
-Builds the model from CONFIG (through the registry of the config's default_scope), loads CHECKPOINT strictly,
+Takes every config tools/train.py takes: a file or a packaged name (mmdet::..., mmseg::...), a norm switch in
+any form (--norm NAME, --cfg-options normdense_norm=NAME, normdense_norm = NAME in the config, a NormSwitched
+model). Builds the model from CONFIG (through the registry of the config's default_scope), loads CHECKPOINT
+strictly (a checkpoint of another norm: one line naming both norms and the fix; --debug adds the keys),
 fuses it (normdense.deploy.fuse: WS, BCN, GN+PN, IterNorm, Unitization, EquiNorm become plain torch.nn modules),
 then:
 
@@ -27,7 +30,9 @@ from normdense.errors import run_tool  # noqa: E402
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description='Fuse normdense layers of a trained model for inference, '
                                                  'and export it to ONNX')
-    parser.add_argument('config', help='model config file (mmdet / mmseg / mmpretrain)')
+    from normdense.norm_switch import CHOICES
+    parser.add_argument('config', help='model config (mmdet / mmseg / mmpretrain): a file or a packaged name such '
+                                       'as mmdet::retinanet/retinanet_r50_fpn_1x_coco.py')
     parser.add_argument('checkpoint', help='trained checkpoint (state_dict or mmengine Runner checkpoint)')
     parser.add_argument('out', nargs='?', help='where to write the fused weights (optional with --onnx)')
     parser.add_argument('--onnx', metavar='OUT.onnx', help='export to this ONNX file and check it in ONNX Runtime')
@@ -37,7 +42,12 @@ def parse_args(argv=None):
     parser.add_argument('--no-fuse', action='store_true', help='export the model as trained, not fused')
     parser.add_argument('--shape', type=int, nargs=2, metavar=('H', 'W'),
                         help="sample image size (default: the config's crop size or test Resize, else 512 x 512)")
-    parser.add_argument('--cfg-options', nargs='+', action=DictAction, help='override config settings (k=v)')
+    parser.add_argument('--norm', choices=CHOICES,
+                        help='switch the config to this norm first (the --norm the checkpoint was trained with)')
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+                        help='override config settings (k=v), e.g. normdense_norm=gn-pn')
+    parser.add_argument('--debug', action='store_true',
+                        help='show the traceback of a known error (and a mismatching checkpoint\'s keys)')
     args = parser.parse_args(argv)
     if args.out is None and args.onnx is None:
         parser.error('give OUT (fused weights), --onnx OUT.onnx, or both')
@@ -48,21 +58,20 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from mmengine.runner import load_checkpoint
-
-    from normdense.codebases import read_config
-    from normdense.deploy import build_model_from_config, fuse, save_fused
-    cfg = read_config(args.config)  # a missing codebase / pkg_resources: one line
-    if args.cfg_options:
-        cfg.merge_from_dict(args.cfg_options)
+    from normdense.checkpoint import norm_of_keys
+    from normdense.deploy import fuse, save_fused
+    from normdense.deploy.io import build_switched, load_trained, switched_config
+    from normdense.tools import resolve_config
+    # a missing codebase / pkg_resources, an unknown norm: one line
+    cfg, spec = switched_config(resolve_config(args.config) or args.config, args.norm, args.cfg_options)
     if args.onnx:  # before the model is built: a missing extra is one line, at once
         from normdense.deploy.onnx import require
         require('onnx', 'onnxruntime', *(('onnxscript', ) if args.dynamo else ()))
-    model = build_model_from_config(cfg)
-    load_checkpoint(model, args.checkpoint, map_location='cpu', strict=True)
+    model = build_switched(cfg, spec)
+    load_trained(model, args.checkpoint)
     model.eval()
+    stats = dict(norm=norm_of_keys(model.state_dict()))
     if not args.no_fuse:
-        stats = {}
         fuse(model, stats=stats)
         print(f'fused {stats["folded"]} conv->norm pairs, made {stats["convs"]} convs plain, replaced '
               f'{stats["standalone"]} norms without a conv')

@@ -16,10 +16,11 @@ registered for aten ops, ``symbolic`` of mmcv's RoIAlign and of its NMS Function
   head: Mask R-CNN, Faster R-CNN, Cascade) imports while exporting: ``ImportError: cannot import name
   '_cast_Long' from 'torch.onnx.symbolic_opset9'``.
 
-:func:`mmdeploy_compat` undoes both while it is active (it also registers normdense's opset-11 ``celu``
-symbolic for GN+PN with CELU, and, for speed only, lets mmdeploy's rewriters find their caller without
-``inspect.stack()``, which reads the source of every frame on the stack at each call: half the time of a Mask
-R-CNN export and check under pytest); outside it, mmdeploy and torch are as they were. It patches module
+:func:`mmdeploy_compat` undoes both while it is active (and, for speed only, lets mmdeploy's rewriters find
+their caller without ``inspect.stack()``, which reads the source of every frame on the stack at each call: half
+the time of a Mask R-CNN export and check under pytest); outside it, mmdeploy and torch are as they were. What
+normdense adds to the export itself goes through mmdeploy's own registries, active only inside its
+``RewriterContext`` (:func:`register_rewriters`): GN+PN's CELU at opset 11 (``SYMBOLIC_REWRITER``). It patches module
 attributes, so it reaches mmdeploy only in this process: mmdeploy's own ``tools/deploy.py`` runs ``torch2onnx``
 in a spawned process, where the patch is absent; :func:`export` calls ``torch2onnx`` here instead (for ONNX
 Runtime, ``tools/deploy.py`` adds no conversion step after it).
@@ -52,6 +53,22 @@ def require_mmdeploy() -> None:
     require('onnx', 'onnxruntime', purpose='the mmdeploy route')
 
 
+_REGISTERED = []
+
+
+def register_rewriters() -> None:
+    """normdense's additions to mmdeploy's export, in mmdeploy's registries (active only inside its
+    ``RewriterContext``, as its own ``mmdeploy/pytorch/symbolics``): ``aten::celu`` at the context's opset (ONNX
+    has CELU from opset 12 only; GN+PN with CELU). Idempotent."""
+    if _REGISTERED:
+        return
+    from mmdeploy.core import SYMBOLIC_REWRITER
+
+    from .onnx import celu_opset11
+    SYMBOLIC_REWRITER.register_symbolic('celu', is_pytorch=True)(celu_opset11)
+    _REGISTERED.append('celu')
+
+
 def _cast_long(g, input, non_blocking=False):
     # what the removed symbolic_opset9._cast_Long emitted
     return g.op('Cast', input, to_i=torch.onnx.TensorProtoDataType.INT64)
@@ -80,14 +97,15 @@ def mmdeploy_compat():
     without ``dynamo=`` is the TorchScript exporter (torch >= 2.9 defaults to dynamo), and
     ``torch.onnx.symbolic_opset9._cast_Long`` exists (newer torch dropped it; mmdeploy's RoIAlign symbolic
     imports it); mmdeploy's ``get_frame_func`` is a ``sys._getframe`` lookup of the same frame (speed only).
-    Each patch is applied only where needed and undone on exit. Also registers
-    :func:`normdense.deploy.onnx.register_symbolics` (GN+PN's CELU at opset 11), which stays registered, as after
-    :func:`normdense.deploy.onnx.export_onnx`. Not thread-safe: it swaps module attributes."""
+    Each patch is applied only where needed and undone on exit; none has a registry of mmdeploy to go through:
+    mmdeploy calls ``torch.onnx.export`` itself, its RoIAlign symbolic imports ``_cast_Long`` from torch, and its
+    rewriters look their caller up with ``get_frame_func``. Also :func:`register_rewriters`. Not thread-safe: it
+    swaps module attributes."""
     import torch.onnx.symbolic_opset9 as opset9
 
-    from .onnx import register_symbolics
-    register_symbolics()
+    register_rewriters()
     original = torch.onnx.export
+    # version patch: torch >= 2.9 defaults to dynamo=True, and mmdeploy 1.3.1's call names no exporter
     param = inspect.signature(original).parameters.get('dynamo')
     if param is not None and param.default is True:
         @functools.wraps(original)
@@ -96,9 +114,11 @@ def mmdeploy_compat():
             return original(*args, **kwargs)
 
         torch.onnx.export = torchscript_export
+    # version patch: torch dropped _cast_Long (pytorch#164641); mmdeploy 1.3.1's RoIAlign symbolic imports it
     added = not hasattr(opset9, '_cast_Long')
     if added:
         opset9._cast_Long = _cast_long
+    # speed only (the same frame, without inspect.stack())
     lookups = [(m, m.get_frame_func) for m in _mmdeploy_frame_lookups()]
     for module, _ in lookups:
         module.get_frame_func = _frame_func
@@ -113,48 +133,33 @@ def mmdeploy_compat():
 
 
 def model_config(config, norm: Optional[str] = None, cfg_options: Optional[dict] = None):
-    """The model config as mmdeploy must see it: a plain ``cfg.model`` with the normdense layers in it.
-
-    mmdeploy builds ``cfg.model`` itself, so the norm switch's other forms do not reach it: the runner form
-    (``normdense_norm``, what ``tools/train.py --norm`` records) would build the un-switched model and load the
-    checkpoint non-strictly, and the model-type form (``type='NormSwitched'``) hides ``decode_head`` from
-    mmdeploy's segmentation task. Both become the switched plain config here (same state-dict keys).
-    ``norm`` switches to another norm (as ``tools/test.py --norm``). ``config``: a path, a packaged name or a
-    Config (copied)."""
-    from mmengine.config import Config
-
-    from ..codebases import read_config
-    from ..norm_switch import parse_spec, switch_norm
-    cfg = copy.deepcopy(config) if isinstance(config, Config) else read_config(config)
-    if cfg_options:
-        cfg.merge_from_dict(cfg_options)
-    spec = cfg.get('normdense_norm')
-    if cfg.model.get('type') == 'NormSwitched':
-        wrapped = cfg.model
-        cfg.model = copy.deepcopy(wrapped['model'])
-        if wrapped.get('data_preprocessor') is not None:
-            cfg.model.setdefault('data_preprocessor', wrapped['data_preprocessor'])
-        spec = {k: wrapped[k] for k in ('norm', 'num_groups', 'channels_per_group', 'exclude', 'convert')
-                if k in wrapped}
-    if norm is not None:
-        spec = dict(parse_spec(spec), norm=norm) if spec else norm
-    if spec:
-        spec = parse_spec(spec)
-        if spec['convert']:
-            raise ExportError('a norm switch with convert=True converts layers after the model is built, which '
-                              "mmdeploy's own model build does not do: export with tools/deploy.py --onnx")
-        switch_norm(cfg, spec)
+    """The model config as mmdeploy must see it: a plain ``cfg.model`` with the normdense layers in it
+    (:func:`normdense.deploy.io.switched_config`: mmdeploy builds ``cfg.model`` itself, so the norm switch's
+    other forms do not reach it). ``norm`` switches to another norm (as ``tools/test.py --norm``).
+    ``config``: a path, a packaged name or a Config (copied)."""
+    from .io import switched_config
+    cfg, spec = switched_config(config, norm, cfg_options)
+    if spec and spec['convert']:
+        raise ExportError('a norm switch with convert=True converts layers after the model is built, which '
+                          "mmdeploy's own model build does not do: export with tools/deploy.py --onnx")
     return cfg
 
 
 def _check_checkpoint(cfg, checkpoint: str) -> None:
     # mmdeploy loads with strict=False: a checkpoint of another norm would export a partly random model
     from ..checkpoint import (CheckpointMismatchError, check_checkpoint_path, describe_mismatch, load_mismatch,
-                              read_checkpoint, state_dict_of)
+                              norm_mismatch, read_checkpoint, state_dict_of)
+    from ..errors import debug_requested
     from .io import build_model_from_config
     check_checkpoint_path(checkpoint)
-    mismatch = load_mismatch(build_model_from_config(cfg), state_dict_of(read_checkpoint(checkpoint, logger='silent')))
+    model, state_dict = build_model_from_config(cfg), state_dict_of(read_checkpoint(checkpoint, logger='silent'))
+    mismatch = load_mismatch(model, state_dict)
     if any(mismatch):
+        other_norm = norm_mismatch(model.state_dict().keys(), state_dict.keys())
+        if other_norm:
+            keys = f' ({describe_mismatch(*mismatch)})' if debug_requested() else ''
+            raise CheckpointMismatchError(f'checkpoint {checkpoint} does not match the model config: it {other_norm}'
+                                          f'{keys}')
         raise CheckpointMismatchError(
             f'checkpoint {checkpoint} does not match the model config: {describe_mismatch(*mismatch)}. mmdeploy '
             'loads non-strictly and would export a partly random model: give the config it was trained with '

@@ -2,12 +2,14 @@
 
 In eval mode every normdense layer exports with both of torch's exporters: the TorchScript one
 (``dynamo=False``, what mmdeploy drives) and ``dynamo=True``. While a graph is recorded, BCN, GN+PN and
-Unitization run their eval form of standard ops instead of the training engine (``layers/_utils.exporting``);
-WS, IterNorm, EquiNorm and GNAuto are standard ops already. A fused model (``fuse``) holds only torch.nn
-modules. The codebases' models are wrapped by :func:`exportable` into a module of tensors in, tensors out.
+Unitization run the modules of their inference form (``eval_form()``, ``layers/eval_form.py``) instead of the
+training engine; WS, IterNorm, EquiNorm and GNAuto are standard ops already. A fused model (``fuse``) holds only
+torch.nn modules. The codebases' models are wrapped by :func:`exportable` into a module of tensors in, tensors out.
 docs/deploy.md.
 """
+import contextlib
 import importlib
+import sys
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -15,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import ExportError, SetupError
+from .fuse import require_eval
 
 DEPLOY_EXTRA = 'pip install "normdense[deploy]"'
 
@@ -29,7 +32,7 @@ def require(*modules: str, purpose: str = 'ONNX export') -> None:
                              f'onnxscript') from None
 
 
-def _celu_opset11(g, x, alpha):
+def celu_opset11(g, x, alpha):
     # CELU is an ONNX operator from opset 12; before it, celu(x, a) = a elu(x / a) (ELU: opset 6)
     from torch.onnx import symbolic_helper
     dtype = {'Double': torch.float64, 'Half': torch.float16, 'BFloat16': torch.bfloat16}.get(
@@ -38,10 +41,16 @@ def _celu_opset11(g, x, alpha):
     return g.op('Mul', g.op('Elu', g.op('Div', x, a), alpha_f=1.0), a)
 
 
-def register_symbolics() -> None:
-    """The TorchScript exporter's translations that torch lacks for the layers' ops at mmdeploy's opset 11:
-    ``aten::celu`` (GN+PN's CELU) before opset 12. Idempotent; :func:`export_onnx` calls it."""
-    torch.onnx.register_custom_op_symbolic('aten::celu', _celu_opset11, 11)
+@contextlib.contextmanager
+def register_symbolics():
+    """While active, the TorchScript exporter's translations that torch lacks for the layers' ops at mmdeploy's
+    opset 11: ``aten::celu`` (GN+PN's CELU) before opset 12; :func:`export_onnx` runs inside it. Under mmdeploy
+    the same symbolic is mmdeploy's registration (``normdense.deploy.mmdeploy``)."""
+    torch.onnx.register_custom_op_symbolic('aten::celu', celu_opset11, 11)
+    try:
+        yield
+    finally:
+        torch.onnx.unregister_custom_op_symbolic('aten::celu', 11)
 
 
 def _flat(outputs) -> List[torch.Tensor]:
@@ -115,16 +124,30 @@ class ClassifierLogits(nn.Module):
         return ['logits']
 
 
+# (codebase, module of its base class, base class, wrapper, kind)
+_KINDS = (('mmseg', 'mmseg.models.segmentors', 'BaseSegmentor', SegmentorLogits, 'segmentor'),
+          ('mmdet', 'mmdet.models.detectors', 'BaseDetector', DetectorRawOutputs, 'detector'),
+          ('mmpretrain', 'mmpretrain.models.classifiers', 'BaseClassifier', ClassifierLogits, 'classifier'))
+
+
+def _base_class(codebase: str, module: str, name: str):
+    """The codebase's base class, or None where the codebase was never imported (then no model is one of its
+    own: importing it here would only cost seconds) or is not installed."""
+    if codebase not in sys.modules:
+        return None
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
 def exportable(model: nn.Module) -> Tuple[nn.Module, str]:
-    """(module of tensors, kind): a segmentor's logits, a detector's raw outputs, a classifier's logits, or
-    ``model`` itself ('module')."""
-    names = {c.__name__ for c in type(model).__mro__}
-    if 'BaseSegmentor' in names:
-        return SegmentorLogits(model).eval(), 'segmentor'
-    if 'BaseDetector' in names:
-        return DetectorRawOutputs(model).eval(), 'detector'
-    if 'ImageClassifier' in names or 'BaseClassifier' in names:
-        return ClassifierLogits(model).eval(), 'classifier'
+    """(module of tensors, kind): a segmentor's logits, a detector's raw outputs, a classifier's logits (by the
+    codebases' base classes), or ``model`` itself ('module')."""
+    for codebase, module, name, wrapper, kind in _KINDS:
+        base = _base_class(codebase, module, name)
+        if base is not None and isinstance(model, base):
+            return wrapper(model).eval(), kind
     return model, 'module'
 
 
@@ -141,9 +164,7 @@ def _export(module, inputs, path, opset, dynamo, output_names=None):
     """:func:`export_onnx`, returning (output names, PyTorch's flat outputs on ``inputs``)."""
     require('onnx', *(('onnxscript', ) if dynamo else ()))
     import onnx
-    if any(m.training for m in module.modules()):
-        raise ExportError('export needs an eval-mode model (BCN and Unitization export their eval form only): '
-                          'call model.eval() first')
+    require_eval(module, 'export')
     inputs = tuple(inputs)
     with torch.no_grad():
         outputs = _flat(module(*inputs))
@@ -157,9 +178,9 @@ def _export(module, inputs, path, opset, dynamo, output_names=None):
             torch.onnx.export(module, inputs, path, dynamo=True, input_names=input_names, output_names=names,
                               external_data=False, verbose=False, **kw)
         else:
-            register_symbolics()
-            torch.onnx.export(module, inputs, path, dynamo=False, opset_version=opset, input_names=input_names,
-                              output_names=names, do_constant_folding=True)
+            with register_symbolics():
+                torch.onnx.export(module, inputs, path, dynamo=False, opset_version=opset, input_names=input_names,
+                                  output_names=names, do_constant_folding=True)
     onnx.checker.check_model(path)
     return names, outputs
 

@@ -102,13 +102,13 @@ def _launch_key(device, serial, x3, params):
 class StatNorm2d(nn.Module):
     """Base class of BCN, GN+PN and Unitization: their flags, buffers, dtype policy, ``forward`` and the engine.
 
-    ``forward`` (as torch's ``_BatchNorm.forward``) checks the input (``_check_input``), takes the layer's eval
-    form of standard ops while a graph is recorded for export (``_eval_form``), the engine where it applies
-    (``fused`` and ``_fusable(x)``), else the layer's reference composition (``_reference``).
+    ``forward`` (as torch's ``_BatchNorm.forward``) checks the input (``_check_input``), runs the modules of the
+    layer's inference form (``eval_form()``, ``layers/eval_form.py``) while a graph is recorded for export, the
+    engine where it applies (``fused`` and ``_fusable(x)``), else the layer's reference composition (``_reference``).
 
     A layer calls :meth:`_init_statnorm` in its constructor and supplies data: ``_statnorm_params()`` (tensors or
     None, in order), ``_coeff_maps(kernel)`` (its pure map and closed-form VJP, torch or kernel, bound to its
-    configuration), ``_statnorm_act()`` and ``_eval_form(x)``::
+    configuration), ``_statnorm_act()`` and ``eval_form(dtype)``::
 
         coeff_map(m, v, mean, var, params, positions, count) -> ((A, B[, K, L]), residuals)
         coeff_vjp(residuals, grads, wants_stats) -> (dm, dv, dmean, dvar, dparams)
@@ -266,12 +266,18 @@ class StatNorm2d(nn.Module):
         raise NotImplementedError
 
     def _export_form(self, x: torch.Tensor) -> torch.Tensor:
-        """The layer's ``_eval_form(x)`` (standard ops) while a graph is recorded; training mode is refused: a
-        recorded graph cannot move statistics or estimates."""
+        """The layer's ``_eval_form(x)`` while a graph is recorded; training mode is refused: a recorded graph cannot
+        move statistics or estimates."""
         if self.training and self._FIRST_STAGE:
             raise ExportError(f'{type(self).__name__} exports in eval mode only (its training statistics and '
                                f'estimate updates cannot be recorded): call model.eval() before exporting')
         return self._eval_form(x)
+
+    def _eval_form(self, x: torch.Tensor) -> torch.Tensor:
+        """The eval output by the modules of ``eval_form()``, its constants in the statistics' compute dtype (what
+        an export records: standard ops only)."""
+        xf = self.compute_input(x)
+        return self.eval_form(self.stat_dtype(xf, *self._statnorm_params())).module()(xf).to(x.dtype)
 
     def _statnorm_forward(self, x: torch.Tensor, compiling: Optional[bool] = None) -> torch.Tensor:
         """The layer's output on a non-empty x (N, C, *positions) by the engine."""

@@ -1,13 +1,12 @@
 """Small helpers of the layers: the float64 arithmetic of the eval-time maps (``eval_affine`` /
-``eval_linear``, folded by ``normdense.deploy.fuse``), the per-channel affine parameters, autocast queries,
-:func:`set_fused`, and :func:`exporting` (defined with the backend choice it overrides)."""
+``eval_linear``, behind the layers' ``eval_form``), the per-channel affine parameters, autocast queries and
+:func:`set_fused`."""
 from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from ..kernels.backend import autocast_on as autocast_enabled  # noqa: F401  (one query: the engine's)
-from ..kernels.backend import exporting  # noqa: F401  (the layers' name for it)
 
 
 def f64(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

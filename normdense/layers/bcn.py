@@ -23,6 +23,7 @@ from ._distributed import reference_synced_moments, world_size
 from ._estimate import EstimateRateMixin, in_backward
 from ._statnorm import StatNorm2d
 from ._utils import standardization_affine
+from .eval_form import EvalForm, frozen
 from .groups import check_group_values, group_policy, resolve_groups
 
 BCN_MODES = ('batch', 'estimate')
@@ -166,11 +167,16 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
         shift = batch_bias - mean.to(scale.dtype) * scale
         return x * scale.view(1, -1, 1, 1).to(x.dtype) + shift.view(1, -1, 1, 1).to(x.dtype)
 
-    def _channel_stage(self, x, weight, bias):
+    def _channel_affine(self, weight, bias):
+        """The channel stage's affine per channel (Eq. 42's per-group gamma^c, beta^c repeated over each group)."""
         if self.group_affine:
             # repeated per channel, so group_norm applies it in the same kernel
             per_group = self.num_channels // self.num_groups
             weight, bias = weight.repeat_interleave(per_group), bias.repeat_interleave(per_group)
+        return weight, bias
+
+    def _channel_stage(self, x, weight, bias):
+        weight, bias = self._channel_affine(weight, bias)
         return F.group_norm(x, self.num_groups, weight, bias, self.eps)
 
     def _check_input(self, x):
@@ -185,14 +191,6 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
             return self._reference(x.reshape(*x.shape, *(1, ) * (4 - x.dim()))).reshape(x.shape)
         # the engine's dtype policy: under CUDA autocast F.group_norm returns float32
         return self._watch(self._channel_stage(self._batch_stage(x), self.weight, self.bias).to(x.dtype))
-
-    def _eval_form(self, x):
-        """The eval output in standard ops (ONNX export): Eq. 40 as one affine, then Eq. 42 as ``F.group_norm``."""
-        if x.dim() != 4:
-            return self._eval_form(x.reshape(*x.shape, *(1, ) * (4 - x.dim()))).reshape(x.shape)
-        u = self._affine(self.compute_input(x), self.running_mean, self.running_var, self.batch_weight,
-                         self.batch_bias)
-        return self._channel_stage(u, self.weight, self.bias).to(x.dtype)
 
     def _fusable(self, x) -> bool:
         # empty input, or batch statistics of one value: the reference path's answer (empty, or F.batch_norm's error)
@@ -233,6 +231,16 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
         """(scale, shift) per channel, float64, of the eval-mode first stage (Eq. 40); Eq. 42 stays per sample."""
         return standardization_affine(self.running_mean, self.running_var, self.eps, self.batch_weight,
                                       self.batch_bias)
+
+    def eval_form(self, dtype: torch.dtype = torch.float64) -> EvalForm:
+        """Eq. 40 with the estimates (batch mode: the running statistics) as a per-channel affine, which a conv
+        before it absorbs, then Eq. 42 per sample: an ``nn.GroupNorm`` (this eps) holding the channel stage's
+        affine per channel."""
+        scale, shift = self.eval_affine()
+        weight, bias = self._channel_affine(self.weight, self.bias)
+        gn = nn.GroupNorm(self.num_groups, self.num_channels, eps=self.eps, device=weight.device, dtype=weight.dtype)
+        gn.weight, gn.bias = frozen(weight), frozen(bias)
+        return EvalForm(scale.to(dtype), shift.to(dtype), gn.train(False), weight.dtype, self.num_channels)
 
     @classmethod
     def convert_norm(cls, module: nn.Module, num_groups: int = 32, **bcn_kwargs) -> nn.Module:

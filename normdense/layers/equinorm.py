@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules.utils import _pair
 
-from ._utils import f64
+from .eval_form import ChannelAffine, EvalForm, plain_conv  # noqa: F401  (ChannelAffine: EquiNorm's affine, Sec. 4)
 
 
 def balance_weight_signs_(weight: torch.Tensor, generator: Optional[torch.Generator] = None) -> int:
@@ -56,6 +56,35 @@ def _safe_denominator(den: torch.Tensor, eps: float) -> torch.Tensor:
         return den
     sign = torch.where(den >= 0, torch.ones_like(den), -torch.ones_like(den))
     return torch.where(den.abs() < eps, sign * eps, den)
+
+
+def conv_rho(conv: nn.Conv2d, h_in: int, w_in: int) -> float:
+    """rho = r / (B H_in W_in) = H_out W_out stride^2 / (H_in W_in) of ``conv`` on an H_in x W_in input (Sec. 4.1)."""
+    if isinstance(conv.padding, str):
+        if conv.padding == 'same':
+            return float(conv.stride[0] * conv.stride[1])
+        pad = (0, 0)
+    else:
+        pad = conv.padding
+    out = [(size + 2 * p - d * (k - 1) - 1) // s + 1
+           for size, p, d, k, s in zip((h_in, w_in), pad, conv.dilation, conv.kernel_size, conv.stride)]
+    return out[0] * out[1] * conv.stride[0] * conv.stride[1] / float(h_in * w_in)
+
+
+def rho_is_one(conv: nn.Conv2d) -> bool:
+    """True when rho is 1 for every input size (the output keeps the input's size)."""
+    if isinstance(conv.padding, str):
+        return conv.padding == 'same'
+    return all(s == 1 and d * (k - 1) == 2 * p
+               for s, p, d, k in zip(conv.stride, conv.padding, conv.dilation, conv.kernel_size))
+
+
+class RhoScaledConv2d(nn.Conv2d):
+    """EquiConv2d's eval form where rho is not always 1: ``rho(H, W) * conv(x, weight) + bias``, ``weight`` the
+    eval kernel at rho = 1 (Sec. 4.1)."""
+
+    def forward(self, x):
+        return self._conv_forward(x, self.weight * conv_rho(self, x.shape[2], x.shape[3]), self.bias)
 
 
 def equinorm_weight(weight: torch.Tensor, input_mean: torch.Tensor, rho: float, groups: int = 1,
@@ -122,22 +151,9 @@ class EquiConv2d(nn.Conv2d):
         if self.balance_init:
             balance_weight_signs_(self.weight)
 
-    def _output_hw(self, h: int, w: int):
-        if isinstance(self.padding, str):
-            if self.padding == 'same':
-                return h, w
-            pad = (0, 0)
-        else:
-            pad = self.padding
-        out = []
-        for size, p, d, k, s in zip((h, w), pad, self.dilation, self.kernel_size, self.stride):
-            out.append((size + 2 * p - d * (k - 1) - 1) // s + 1)
-        return tuple(out)
-
     def rho(self, h_in: int, w_in: int) -> float:
         """r / (B H_in W_in) with r = B H_out W_out stride^2 (Sec. 4.1)."""
-        h_out, w_out = self._output_hw(h_in, w_in)
-        return h_out * w_out * self.stride[0] * self.stride[1] / float(h_in * w_in)
+        return conv_rho(self, h_in, w_in)
 
     def normalized_weight(self, input_mean: torch.Tensor, h_in: int, w_in: int) -> torch.Tensor:
         return equinorm_weight(self.weight, input_mean, self.rho(h_in, w_in), self.groups, self.single_pass,
@@ -147,6 +163,14 @@ class EquiConv2d(nn.Conv2d):
         """The eval-mode kernel ``s (w + b)`` from the running input mean at the given rho, float64."""
         return equinorm_weight(self.weight.detach().double(), self.running_input_mean.double(), rho, self.groups,
                                self.single_pass, self.eps)
+
+    def eval_form(self, dtype: torch.dtype = torch.float64) -> EvalForm:
+        """The eval conv: ``s (w + b)`` from the running input mean at rho = 1, as an ``nn.Conv2d`` where rho is
+        always 1, else a :class:`RhoScaledConv2d` that applies the input's rho per forward."""
+        with torch.no_grad():
+            weight = self.eval_weight(rho=1.0)
+        return EvalForm(None, None, plain_conv(self, weight, nn.Conv2d if rho_is_one(self) else RhoScaledConv2d),
+                        self.weight.dtype, self.out_channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4:
@@ -171,38 +195,3 @@ class EquiConv2d(nn.Conv2d):
     def extra_repr(self) -> str:
         return (super().extra_repr() + f', momentum={self.momentum}, single_pass={self.single_pass}, '
                 f'eps={self.eps}')
-
-
-class ChannelAffine(nn.Module):
-    """y = gamma_c x + beta_c after an EquiNorm conv (Sec. 4), for ``norm_cfg=dict(type='ChannelAffine')``;
-    ``eps`` is accepted (``build_norm_layer`` always passes it) and unused."""
-    _abbr_ = 'ca'
-
-    def __init__(self, num_features: int, eps: float = 1e-5, affine: bool = True):
-        super().__init__()
-        if not isinstance(num_features, int) or num_features <= 0:
-            raise ValueError(f'ChannelAffine num_features must be a positive int, got {num_features!r}')
-        if not affine:
-            raise ValueError('ChannelAffine with affine=False would be an identity; drop the norm layer instead')
-        self.num_features = num_features
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(num_features))
-        self.bias = nn.Parameter(torch.zeros(num_features))
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-        nn.init.zeros_(self.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() < 2 or x.shape[1] != self.num_features:
-            raise ValueError(f'ChannelAffine({self.num_features}) expects (N, {self.num_features}, ...) input, '
-                             f'got shape {tuple(x.shape)}')
-        shape = (1, -1) + (1,) * (x.dim() - 2)
-        return x * self.weight.view(shape).to(x.dtype) + self.bias.view(shape).to(x.dtype)
-
-    def eval_affine(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(scale, shift) per channel, float64: the layer is its own eval-time map."""
-        return f64(self.weight), f64(self.bias)
-
-    def extra_repr(self) -> str:
-        return f'{self.num_features}'

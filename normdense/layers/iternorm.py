@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from ._utils import affine_parameters, f64
+from .eval_form import EvalForm
 from ._estimate import in_backward
 from ._recompute import checkpoint_once, recompute_active
 
@@ -230,6 +231,13 @@ class IterNorm(nn.Module):
         if self.affine:
             shift = shift + f64(self.bias)
         return wm, shift
+
+    def eval_form(self, dtype: torch.dtype = torch.float64) -> EvalForm:
+        """The eval map ``gamma * W_run (x - mu_run) + beta`` (Eq. 8's running statistics) as a (C, C) matrix and
+        shift (it mixes channels: a conv takes it only ungrouped), standalone a ``ChannelLinear``."""
+        matrix, shift = self.eval_linear()
+        return EvalForm(matrix.to(dtype), shift.to(dtype), nn.Identity(), self.running_mean.dtype,
+                        self.num_features)
 
     def extra_repr(self) -> str:
         return (f'{self.num_features}, group_size={self.group_size}, '

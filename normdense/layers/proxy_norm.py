@@ -21,10 +21,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._activations import PROXY_NORM_ACTIVATIONS, activation
+from ._activations import PROXY_NORM_ACTIVATIONS, activation, activation_module
 from ._activations import resolve_activation as _resolve_activation
 from ._statnorm import StatNorm2d
-from ._utils import exporting
+from .eval_form import ChannelAffine, EvalForm, frozen
 from .groups import check_group_values, group_policy, resolve_groups
 
 __all__ = ['GroupProxyNorm', 'proxy_quantiles', 'PROXY_NORM_ACTIVATIONS']
@@ -218,10 +218,8 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
         """Per-channel E[phi(gamma Y + beta)] and Var[...] of the Gaussian proxy, shape (C,) each."""
         return self._proxy_moments(self.weight, self.bias, self.proxy_beta, self.proxy_gamma, dtype)
 
-    def _proxy_moments(self, weight, bias, proxy_beta, proxy_gamma, dtype):
-        if exporting():
-            q = torch.tensor(_quantile_values(self.num_samples), dtype=dtype, device=weight.device)
-        else:
+    def _proxy_moments(self, weight, bias, proxy_beta, proxy_gamma, dtype, q=None):
+        if q is None:
             q = _cached_quantiles(self.num_samples, dtype, weight.device)
         gamma = weight.to(dtype)[:, None]
         beta = bias.to(dtype)[:, None]
@@ -242,14 +240,27 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
             check_group_values(x, self.num_channels, self.num_groups, 'GNPN')
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
-        return self._eval_form(x)  # Eq. 7: batch-independent, the same in train and eval
+        # Eq. 7: batch-independent, the same in train and eval
+        return self._eq7(x, self.stat_dtype(x, self.weight), self.weight, self.bias, self.proxy_beta,
+                         self.proxy_gamma)
 
     _FIRST_STAGE = False
 
-    def _eval_form(self, x: torch.Tensor) -> torch.Tensor:
-        """The output in standard ops (ONNX export; the same in train and eval mode): the reference Eq. 7."""
-        return self._eq7(x, self.stat_dtype(x, self.weight), self.weight, self.bias, self.proxy_beta,
-                         self.proxy_gamma)
+    def eval_form(self, dtype: torch.dtype = torch.float64) -> EvalForm:
+        """Eq. 7 at inference, where the proxy statistics are constants of the parameters: ``nn.GroupNorm`` with
+        gamma, beta, then phi's torch.nn module, then K phi + L per channel (a ``ChannelAffine``), K = 1 /
+        sqrt(Var_proxy + eps_pn) (1 without proxy scaling), L = -E_proxy K, computed in ``dtype``. Nothing goes
+        into a conv: the GN stage is per sample, and an affine after phi would move a next conv's zero padding.
+        The quantiles are Python constants (erfinv has no ONNX operator)."""
+        weight = self.weight
+        q = torch.tensor(_quantile_values(self.num_samples), dtype=dtype, device=weight.device)
+        mean, var = self._proxy_moments(weight, self.bias, self.proxy_beta, self.proxy_gamma, dtype, q)
+        k = torch.rsqrt(var + self.proxy_eps) if self.proxy_scaling else torch.ones_like(var)
+        gn = nn.GroupNorm(self.num_groups, self.num_channels, eps=self.eps, device=weight.device, dtype=weight.dtype)
+        gn.weight, gn.bias = frozen(weight), frozen(self.bias)
+        proxy = ChannelAffine.of(k, -mean * k, weight.dtype, self.num_channels)
+        rest = nn.Sequential(gn, activation_module(self.act, self.act_kwargs), proxy)
+        return EvalForm(None, None, rest.train(False), weight.dtype, self.num_channels)
 
     def _statnorm_params(self):
         try:  # from the dict: attribute access goes through Module.__getattr__, a Python call each

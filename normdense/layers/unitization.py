@@ -26,6 +26,7 @@ import torch.nn as nn
 from ._estimate import EstimateRateMixin, in_backward
 from ._statnorm import StatNorm2d
 from ._utils import affine_parameters, standardization_affine
+from .eval_form import EvalForm
 
 UNITIZATION_MODES = ('batch', 'estimate')
 NORM_DIVISORS = ('hw', 'hw_squared')
@@ -92,6 +93,21 @@ def coeff_vjp(cfg, res, grads, wants_stats):
         g_rs = torch.addcmul((ga_t * scale).sum(0), (ds * e).sum(0), rs, value=2.0)
         dvar = g_rs * rs.pow(3) * (-0.5 * _var_factor(cfg, count))
     return dm, de, dmean, dvar, (dalpha, dw, db)
+
+
+def partial_unitize(cfg, x_hat: torch.Tensor, alpha: torch.Tensor, weight, bias) -> torch.Tensor:
+    """Stage 2 and the affine (Eq. 16; Algorithm 2 lines 9-14) on the standardized x_hat (N, C, *) in its compute
+    dtype: p = 1 / sqrt(sum x_hat^2 / n + eps) per sample, y = gamma (p alpha + 1 - alpha) x_hat + beta."""
+    bshape = (1, -1) + (1,) * (x_hat.dim() - 2)
+    n = _divisor(cfg, x_hat[0, 0].numel())
+    s = x_hat.pow(2).flatten(1).sum(1) / n
+    p = torch.rsqrt(s + cfg.eps)
+    alpha = alpha.to(x_hat.dtype)
+    scale = p[:, None] * alpha[None, :] + (1.0 - alpha)[None, :]  # (N, C)
+    if cfg.affine:
+        scale = scale * weight.to(x_hat.dtype)[None, :]
+        return x_hat * scale.view(scale.shape + (1,) * (x_hat.dim() - 2)) + bias.to(x_hat.dtype).view(bshape)
+    return x_hat * scale.view(scale.shape + (1,) * (x_hat.dim() - 2))
 
 
 class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
@@ -181,12 +197,6 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
         # empty input (its own answer below) or batch statistics of one value (the reference's error)
         return x.numel() > 0 and (self.mode == 'estimate' or not self.training or x.numel() // x.shape[1] > 1)
 
-    def _eval_form(self, x: torch.Tensor) -> torch.Tensor:
-        """The eval output in standard ops (ONNX export)."""
-        xf = self.compute_input(x)
-        return self._unitize(xf, self.running_mean.to(xf.dtype), self.running_var.to(xf.dtype), self.alpha,
-                             self.weight, self.bias).to(x.dtype)
-
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == 0:
             # zero RoIs: no statistics (NaN), parameters kept in the graph for DDP; estimate mode still joins
@@ -221,19 +231,20 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
         """Both stages and the affine with the given statistics (x in its compute dtype)."""
         bshape = (1, -1) + (1,) * (x.dim() - 2)
         x_hat = (x - mean.view(bshape)) * torch.rsqrt(var.view(bshape) + self.eps)
-        n = _divisor(self._config(), x[0, 0].numel())
-        s = x_hat.pow(2).flatten(1).sum(1) / n
-        p = torch.rsqrt(s + self.eps)
-        alpha = alpha.to(x.dtype)
-        scale = p[:, None] * alpha[None, :] + (1.0 - alpha)[None, :]  # (N, C)
-        if self.affine:
-            scale = scale * weight.to(x.dtype)[None, :]
-            return x_hat * scale.view(scale.shape + (1,) * (x.dim() - 2)) + bias.to(x.dtype).view(bshape)
-        return x_hat * scale.view(scale.shape + (1,) * (x.dim() - 2))
+        return partial_unitize(self._config(), x_hat, alpha, weight, bias)
 
     def eval_affine(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(scale, shift) per channel, float64, of the eval-mode stage 1; stage 2 depends on the data."""
         return standardization_affine(self.running_mean, self.running_var, self.eps)
+
+    def eval_form(self, dtype: torch.dtype = torch.float64) -> EvalForm:
+        """Stage 1 with the running statistics (estimates) as a per-channel affine, which a conv before it absorbs,
+        then stage 2 (Eq. 16, per sample) as a :class:`UnitizationStage2`; standalone, stage 2 takes stage 1 as its
+        input affine."""
+        scale, shift = self.eval_affine()
+        return EvalForm(scale.to(dtype), shift.to(dtype),
+                        UnitizationStage2(self, torch.ones_like(scale), torch.zeros_like(scale)), self.alpha.dtype,
+                        self.num_features, UnitizationStage2(self, scale, shift))
 
     def extra_repr(self) -> str:
         s = f'{self.num_features}, eps={self.eps}, affine={self.affine}, n={self.n or "H*W"}, mode={self.mode!r}'
@@ -246,3 +257,37 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
             rate = self.update_rate if self.update_rate is not None else 'lr (EstimateRateHook)'
             return s + f', update_rate={rate}'
         return s + f', momentum={self.momentum}'
+
+
+class UnitizationStage2(nn.Module):
+    """Unitization2d's eval form after stage 1: ``in_scale``/``in_shift`` (stage 1 where no conv absorbed it,
+    else 1 and 0), then :func:`partial_unitize` with the layer's alpha, affine and configuration."""
+
+    def __init__(self, src: Unitization2d, in_scale: torch.Tensor, in_shift: torch.Tensor):
+        super().__init__()
+        self.num_features = src.num_features
+        self.eps, self.n, self.norm_divisor, self.affine = src.eps, src.n, src.norm_divisor, src.affine
+        self.var_correction = src.var_correction
+        self.register_buffer('alpha', src.alpha.detach().clone())
+        if src.affine:
+            self.register_buffer('weight', src.weight.detach().clone())
+            self.register_buffer('bias', src.bias.detach().clone())
+        else:
+            self.weight = self.bias = None
+        self.register_buffer('in_scale', in_scale.detach().to(src.alpha.dtype).clone())
+        self.register_buffer('in_shift', in_shift.detach().to(src.alpha.dtype).clone())
+        self.train(False)
+
+    def forward(self, x):
+        if x.numel() == 0:
+            return x
+        in_dtype = x.dtype
+        if in_dtype in (torch.float16, torch.bfloat16):
+            x = x.float()
+        bshape = (1, -1) + (1,) * (x.dim() - 2)
+        x_hat = x * self.in_scale.to(x.dtype).view(bshape) + self.in_shift.to(x.dtype).view(bshape)
+        cfg = UnitizationConfig(self.eps, self.affine, self.n, self.norm_divisor, self.var_correction)
+        return partial_unitize(cfg, x_hat, self.alpha, self.weight, self.bias).to(in_dtype)
+
+    def extra_repr(self):
+        return f'{self.num_features}, eps={self.eps}, n={self.n or "H*W"}'

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ._utils import autocast_enabled
+from .eval_form import EvalForm, plain_conv
 
 # Checkpoints store a formula as its index here: append new formulas, never reorder.
 WS_FORMULAS = ('paper', 'std_unbiased', 'var_unbiased')
@@ -115,6 +116,13 @@ class WSConv2d(nn.Conv2d):
 
     def standardized_weight(self) -> torch.Tensor:
         return standardize_weight(self.weight, self.eps, self.formula)
+
+    def eval_form(self, dtype: torch.dtype = torch.float64) -> EvalForm:
+        """The eval conv: an ``nn.Conv2d`` holding the standardized weight (Eq. 5, 7) under the layer's formula and
+        eps, i.e. those loaded with the weights (``_extra_state``)."""
+        with torch.no_grad():
+            return EvalForm(None, None, plain_conv(self, self.standardized_weight()), self.weight.dtype,
+                            self.out_channels)
 
     def forward(self, x):
         weight = self.standardized_weight()

@@ -69,6 +69,7 @@ def _check(model, x, min_folded=0):
     stats = {}
     fused = fuse(copy.deepcopy(model), stats=stats)
     assert not any(isinstance(m, NORMDENSE_TYPES) for m in fused.modules()), fused
+    assert not any(m.training for m in fused.modules()), [type(m).__name__ for m in fused.modules() if m.training]
     assert stats['folded'] >= min_folded, stats
     with torch.no_grad():
         out = fused(x)
@@ -147,6 +148,21 @@ def test_norm_without_conv(norm):
     h = torch.relu(model[0](x)).detach()
     single = _check(copy.deepcopy(layer), h)
     assert not isinstance(single, NORMDENSE_TYPES)
+
+
+@pytest.mark.parametrize('with_conv', [True, False], ids=['folded', 'standalone'])
+def test_bcn_keeps_its_eps(with_conv):
+    """A BCN with eps 1e-2 (both stages' eps): the fused channel stage keeps it (nn.GroupNorm's default 1e-5 made
+    fused and unfused differ by 1.67 here)."""
+    torch.manual_seed(6)
+    conv = WSConv2d(6, 16, 3, padding=1) if with_conv else nn.Conv2d(6, 16, 1)
+    model = nn.Sequential(conv, _bcn(16, eps=1e-2)) if with_conv else nn.Sequential(conv, nn.ReLU(), _bcn(16, eps=1e-2))
+    _randomize_(model)
+    with torch.no_grad():
+        model[-1].running_var.mul_(1e-2)  # variances near eps, where eps counts
+    fused = _check(model, 0.1 * torch.randn(2, 6, 7, 9), min_folded=int(with_conv))
+    gn = fused[1] if with_conv else fused[2][1]
+    assert type(gn) is nn.GroupNorm and gn.eps == 1e-2
 
 
 def test_iternorm_on_features():
