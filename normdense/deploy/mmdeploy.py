@@ -16,9 +16,9 @@ registered for aten ops, ``symbolic`` of mmcv's RoIAlign and of its NMS Function
   head: Mask R-CNN, Faster R-CNN, Cascade) imports while exporting: ``ImportError: cannot import name
   '_cast_Long' from 'torch.onnx.symbolic_opset9'``.
 
-:func:`mmdeploy_compat` undoes both while it is active (and, for speed only, lets mmdeploy's rewriters find
-their caller without ``inspect.stack()``, which reads the source of every frame on the stack at each call: half
-the time of a Mask R-CNN export and check under pytest); outside it, mmdeploy and torch are as they were. What
+:func:`mmdeploy_compat` undoes both while it is active; outside it, torch is as it was. Nothing of mmdeploy's
+is patched (its rewriters' ``inspect.stack()`` lookups make a Mask R-CNN export about 1.5x slower than a
+``sys._getframe`` patch did: left as mmdeploy has it). What
 normdense adds to the export itself goes through mmdeploy's own registries, active only inside its
 ``RewriterContext`` (:func:`register_rewriters`): GN+PN's CELU at opset 11 (``SYMBOLIC_REWRITER``). It patches module
 attributes, so it reaches mmdeploy only in this process: mmdeploy's own ``tools/deploy.py`` runs ``torch2onnx``
@@ -30,7 +30,6 @@ import copy
 import functools
 import inspect
 import os.path as osp
-import sys
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -74,33 +73,15 @@ def _cast_long(g, input, non_blocking=False):
     return g.op('Cast', input, to_i=torch.onnx.TensorProtoDataType.INT64)
 
 
-def _frame_func(top: int = 1):
-    # mmdeploy's rewriter_utils.get_frame_func (the function running `top` frames up, from its module's globals)
-    # without inspect.stack(), which builds source context for every frame of the stack
-    frame = sys._getframe(top)
-    name = frame.f_code.co_name
-    assert name in frame.f_globals, f'Can not find function: {name} in global.'
-    return frame.f_globals[name]
-
-
-def _mmdeploy_frame_lookups() -> list:
-    try:
-        from mmdeploy.core.rewriters import function_rewriter, rewriter_utils, symbolic_rewriter
-    except ImportError:
-        return []
-    return [m for m in (function_rewriter, rewriter_utils, symbolic_rewriter) if hasattr(m, 'get_frame_func')]
-
-
 @contextlib.contextmanager
 def mmdeploy_compat():
     """While active, mmdeploy 1.3.1's export runs as on the torch it was written for: ``torch.onnx.export``
     without ``dynamo=`` is the TorchScript exporter (torch >= 2.9 defaults to dynamo), and
     ``torch.onnx.symbolic_opset9._cast_Long`` exists (newer torch dropped it; mmdeploy's RoIAlign symbolic
-    imports it); mmdeploy's ``get_frame_func`` is a ``sys._getframe`` lookup of the same frame (speed only).
-    Each patch is applied only where needed and undone on exit; none has a registry of mmdeploy to go through:
-    mmdeploy calls ``torch.onnx.export`` itself, its RoIAlign symbolic imports ``_cast_Long`` from torch, and its
-    rewriters look their caller up with ``get_frame_func``. Also :func:`register_rewriters`. Not thread-safe: it
-    swaps module attributes."""
+    imports it). Each is applied only where needed and undone on exit; neither has a registry of mmdeploy to go
+    through: mmdeploy calls ``torch.onnx.export`` itself, and its RoIAlign symbolic imports ``_cast_Long`` from
+    torch. Nothing of mmdeploy's own is patched: normdense's additions are registrations
+    (:func:`register_rewriters`). Not thread-safe: it swaps two attributes of torch."""
     import torch.onnx.symbolic_opset9 as opset9
 
     register_rewriters()
@@ -118,18 +99,12 @@ def mmdeploy_compat():
     added = not hasattr(opset9, '_cast_Long')
     if added:
         opset9._cast_Long = _cast_long
-    # speed only (the same frame, without inspect.stack())
-    lookups = [(m, m.get_frame_func) for m in _mmdeploy_frame_lookups()]
-    for module, _ in lookups:
-        module.get_frame_func = _frame_func
     try:
         yield
     finally:
         torch.onnx.export = original
         if added:
             del opset9._cast_Long
-        for module, func in lookups:
-            module.get_frame_func = func
 
 
 def model_config(config, norm: Optional[str] = None, cfg_options: Optional[dict] = None):

@@ -167,25 +167,18 @@ def test_model_config_takes_every_form_of_the_norm_switch():
         assert model.backbone.norm_cfg.type == 'GNPN' and model.decode_head.norm_cfg.type == 'GNAuto'
 
 
-def _caller():
-    from mmdeploy.core.rewriters import function_rewriter
-    return function_rewriter.get_frame_func(1)  # what a rewriter's get_context asks for, one frame further up
-
-
 def test_compat_shim_is_scoped():
     """Inside mmdeploy_compat: torch.onnx.export defaults to the TorchScript exporter, symbolic_opset9 has
-    _cast_Long (mmdeploy's RoIAlign symbolic), mmdeploy's rewriters find their caller by sys._getframe; outside,
-    torch and mmdeploy are as they were."""
+    _cast_Long (mmdeploy's RoIAlign symbolic), and nothing of mmdeploy's is patched; outside, torch is as it was."""
     import inspect
 
     import torch.onnx.symbolic_opset9 as opset9
     from mmdeploy.core.rewriters import function_rewriter
     export, had_cast, lookup = torch.onnx.export, hasattr(opset9, '_cast_Long'), function_rewriter.get_frame_func
     dynamo_default = inspect.signature(export).parameters['dynamo'].default
-    assert _caller() is _caller  # mmdeploy's own lookup
     with md.mmdeploy_compat():
         assert hasattr(opset9, '_cast_Long')
         assert (torch.onnx.export is export) == (dynamo_default is False)
-        assert function_rewriter.get_frame_func is not lookup and _caller() is _caller
+        assert function_rewriter.get_frame_func is lookup
     assert torch.onnx.export is export and hasattr(opset9, '_cast_Long') == had_cast
     assert function_rewriter.get_frame_func is lookup
