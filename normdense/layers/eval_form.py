@@ -45,14 +45,17 @@ class ChannelAffine(nn.Module):
         """``scale x + shift`` per channel (``channels`` of them: a traced size is no int), in ``dtype``, eval mode."""
         aff = cls(channels)
         aff.weight, aff.bias = frozen(scale, dtype), frozen(shift, dtype)
+        aff.check_input = False  # built for its layer's channels; no shape check recorded into an exported graph
         return aff.train(False)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
         nn.init.zeros_(self.bias)
 
+    check_input = True  # a config's layer: its input's channels are checked (one line naming the shape)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() < 2 or x.shape[1] != self.num_features:
+        if self.check_input and (x.dim() < 2 or x.shape[1] != self.num_features):
             raise ValueError(f'ChannelAffine({self.num_features}) expects (N, {self.num_features}, ...) input, '
                              f'got shape {tuple(x.shape)}')
         shape = (1, -1) + (1,) * (x.dim() - 2)
