@@ -43,14 +43,15 @@ CASES = [  # (layer, level, dtype, source, seed[, kinks]): the failing one first
 TOP = 8
 
 
-def _data(shape, dtype, source, seed, device, ref=None):
+def _data(shape, dtype, source, seed, device, ref=None, steps=STEPS):
     gen = torch.Generator(device=source).manual_seed(seed)
-    for _ in range(STEPS):
+    for _ in range(steps):
         x = (torch.randn(shape, generator=gen, device=source) * 2 + 0.5).to(dtype).to(device)
         dy = torch.randn(shape, generator=gen, device=source).to(dtype).to(device)
         yield (x if ref is None else off_kinks(ref, x)), dy
 
 
+@torch.no_grad()
 def _pre_activation(ref, x):
     """z = GN(x) in float64 (Eq. 7's argument of phi), for GN+PN layers; None otherwise."""
     if not hasattr(ref, 'proxy_gamma'):
@@ -58,11 +59,11 @@ def _pre_activation(ref, x):
     return F.group_norm(x.double(), ref.num_groups, ref.weight.double(), ref.bias.double(), ref.eps)
 
 
-def run_case(name, level, dname, source, seed, kinks='as drawn', device='cuda'):
+def run_case(name, level, dname, source, seed, kinks='as drawn', device='cuda', n_steps=STEPS, repeats=2):
     shape, dtype = LEVELS[level], DTYPES[dname]
     triton, aten, ref = _build(LAYERS[name], device)
     steps, worst = [], None
-    data = _data(shape, dtype, source, seed, device, ref if kinks == 'off' else None)
+    data = _data(shape, dtype, source, seed, device, ref if kinks == 'off' else None, n_steps)
     for i, (x, dy) in enumerate(data):
         state = {k: v.detach().cpu().clone() for k, v in triton.state_dict().items()}
         got, at, r = _step(triton, x, dy), _step(aten, x, dy), _step(ref, x.double(), dy.double())
@@ -90,7 +91,7 @@ def run_case(name, level, dname, source, seed, kinks='as drawn', device='cuda'):
             row['worst_near_kink'] = bool(found[0].flatten()[idx[0]])
         if i == 0:  # determinism: the same step twice more on the same tensors (a fresh copy of the layer)
             again = []
-            for _ in range(2):
+            for _ in range(repeats):
                 t2, _a, _r = _build(LAYERS[name], device)
                 again.append(bool(torch.equal(_step(t2, x, dy)['input gradient'], got['input gradient'])))
             row['bitwise_repeatable'] = again

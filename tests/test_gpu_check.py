@@ -70,3 +70,26 @@ def test_gpu_step_refuses_without_gpu_in_one_line():
     proc = subprocess.run([sys.executable, osp.join(ROOT, 'scripts', 'gpu_step.py')], capture_output=True, text=True,
                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
     assert proc.returncode == 1 and one_line(proc) == 'gpu_step.py: no GPU (torch.cuda.is_available() is False)'
+
+
+@pytest.mark.slow  # ~25 s: GN+PN's kernels in the interpreter, 10 s a step on a P7 map
+@pytest.mark.skipif(os.environ.get('TRITON_INTERPRET') != '1', reason='the Triton kernels on CPU tensors: the interpreter')
+def test_grad_diagnosis_runs_a_case_on_cpu_tensors():
+    """scripts/gpu_grad_diag.py, the GPU run's first step, on a P7 map in the interpreter (one step, one repeat):
+    the record the GPU run writes (JSON-able), the worst elements with their pre-activation, the kink count, and
+    the (sample, group) slice it saves."""
+    import json
+    sys.path.insert(0, osp.join(ROOT, 'scripts'))
+    import gpu_grad_diag as diag
+    res, (_, worst) = diag.run_case('GNPN-relu', 'P7', 'fp16', 'cpu', 1, 'off', device='cpu', n_steps=1, repeats=1)
+    json.dumps(res)
+    assert res['passed'] and len(res['steps']) == 1 and res['case'] == 'GNPN-relu P7 fp16 cpu:1 off'
+    step = res['steps'][0]
+    assert step['bitwise_repeatable'] == [True] and len(step['top']) == diag.TOP
+    assert step['triton'] <= step['bound'] and step['top'][0]['z64'] is not None
+    assert step['near_kink_elements'] == 0 and step['worst_near_kink'] is False  # drawn off the kinks
+    assert worst['x'].shape == worst['dy'].shape == (1, 8, 7, 10) and worst['x'].dtype == torch.float16
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, osp.join(ROOT, 'scripts', 'gpu_grad_diag.py'), 'out'],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert proc.returncode == 1 and one_line(proc).startswith('gpu_grad_diag.py: no GPU')
