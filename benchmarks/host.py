@@ -10,7 +10,8 @@ alike, docs/gpu.md).
 
 Rows: BCN estimate and batch, GN+PN with one activation of each family, Unitization batch and estimate, each on
 ``backend='triton'`` and ``backend='aten'``; IterNorm against nn.GroupNorm and WSConv2d against nn.Conv2d without a
-target. Two forms of the step, timed interleaved round by round (medians): ``sum``, ``layer(x).sum().backward()``
+target; ``autograd.Function floor``: one custom Function with BCN's parameters that does nothing (what autograd,
+the output and the gradients alone cost). Two forms of the step, timed interleaved round by round (medians): ``sum``, ``layer(x).sum().backward()``
 (the form the host-path issue measured), and ``dy``, ``layer(x).backward(dy)`` with the gradients set to None
 after it (a training loop's: a contiguous dy, no accumulation).
 
@@ -69,11 +70,43 @@ def engine_layers(c=SHAPE[1], groups=GROUPS):
     return rows
 
 
+class _NoWork(torch.autograd.Function):
+    """x and the parameters in, an uninitialized output; in backward, uninitialized gradients: nothing else."""
+
+    @staticmethod
+    def forward(ctx, x, *params):
+        ctx.save_for_backward(x, *params)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return tuple(torch.empty_like(t) for t in ctx.saved_tensors)
+
+
+class FunctionFloor(nn.Module):
+    """The floor under any layer written as one custom autograd Function with BCN's four parameters (C, C, G, G),
+    called through its C apply as the engine does: what autograd, the output and the gradients cost with no work
+    and no launch. The 2.0x target leaves the
+    engine the difference between 2.0x nn.GroupNorm and this row."""
+
+    def __init__(self, c=SHAPE[1], groups=GROUPS):
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.ones(c)), nn.Parameter(torch.zeros(c))
+        self.gw, self.gb = nn.Parameter(torch.ones(groups)), nn.Parameter(torch.zeros(groups))
+
+    def forward(self, x):
+        return _no_work(x, self.w, self.b, self.gw, self.gb)
+
+
+_no_work = super(torch.autograd.Function, _NoWork).apply  # the C apply, as the engine calls its Function
+
+
 def other_layers(c=SHAPE[1], groups=GROUPS):
     """{name: (factory, baseline name)} reported without a target."""
     from normdense.layers.iternorm import IterNorm
     from normdense.layers.ws import WSConv2d
-    return {'IterNorm': (lambda: IterNorm(c, group_size=c // groups), GN),
+    return {'autograd.Function floor': (lambda: FunctionFloor(c, groups), GN),
+            'IterNorm': (lambda: IterNorm(c, group_size=c // groups), GN),
             'WSConv2d 3x3': (lambda: WSConv2d(c, c, 3, padding=1), 'nn.Conv2d 3x3')}
 
 
