@@ -64,9 +64,10 @@ def build(variant, size, device, rois=512):
     from torchvision.models.detection import maskrcnn_resnet50_fpn_v2
     from normdense.model_convert import convert_model
     torch.manual_seed(0)
+    # torchvision's sampling (512 RoIs of 2000 proposals per image) unless --rois asks for fewer (a CPU smoke run)
+    fewer = {} if rois == 512 else dict(box_batch_size_per_image=rois, rpn_post_nms_top_n_train=4 * rois)
     model = maskrcnn_resnet50_fpn_v2(weights=None, weights_backbone=None, num_classes=91,
-                                     min_size=min(size), max_size=max(size), box_batch_size_per_image=rois,
-                                     rpn_post_nms_top_n_train=max(4 * rois, 2000) if rois >= 512 else 4 * rois)
+                                     min_size=min(size), max_size=max(size), **fewer)
     spec = VARIANTS[variant]
     model = _freeze_bn(model) if spec is None else convert_model(model, norm=spec[0], conv=spec[1], verbose=False)
     return model.to(device).train()

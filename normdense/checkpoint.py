@@ -282,7 +282,11 @@ def norm_mismatch(model_keys, checkpoint_keys) -> Optional[str]:
     # saved before WS recorded its formula (_extra_state): the keys cannot tell WS apart
     if held == built or built == held + '-ws' and not any(k.endswith(EXTRA_STATE_KEY) for k in checkpoint_keys):
         return None
-    fix = f'--norm {held}' if held in _switch_names() else f'the {held} config'
+    return other_norm_line(held, built, f'--norm {held}' if held in _switch_names() else f'the {held} config')
+
+
+def other_norm_line(held: str, built: str, fix: str) -> str:
+    """What to say after "checkpoint NAME" where it holds norm ``held`` and the config builds ``built``."""
     return (f'holds {held} layers and the config builds {built}: pass {fix} (as the run was trained with), or the '
             'config saved in its work dir')
 

@@ -25,11 +25,10 @@ if not all(importlib.util.find_spec(m) for m in ('mmengine', 'mmcv')):
     os.environ.setdefault('NORMDENSE_LAYERS_ONLY', '1')
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 from tests.cuda.test_triton_cuda import (DTYPES, LAYERS, LEVELS, STEPS, _build, _step, _tolerance,  # noqa: E402
-                                         near_kinks, off_kinks)
+                                         near_kinks, off_kinks, pre_activation)
 
 CASES = [  # (layer, level, dtype, source, seed[, kinks]): the failing one first (as drawn and as the test now draws
     # it: off the kinks), then its neighbours; cpu:8 holds an element at |z| = 3e-10 (ATen's CPU path flips it)
@@ -51,14 +50,6 @@ def _data(shape, dtype, source, seed, device, ref=None, steps=STEPS):
         yield (x if ref is None else off_kinks(ref, x)), dy
 
 
-@torch.no_grad()
-def _pre_activation(ref, x):
-    """z = GN(x) in float64 (Eq. 7's argument of phi), for GN+PN layers; None otherwise."""
-    if not hasattr(ref, 'proxy_gamma'):
-        return None
-    return F.group_norm(x.double(), ref.num_groups, ref.weight.double(), ref.bias.double(), ref.eps)
-
-
 def run_case(name, level, dname, source, seed, kinks='as drawn', device='cuda', n_steps=STEPS, repeats=2):
     shape, dtype = LEVELS[level], DTYPES[dname]
     triton, aten, ref = _build(LAYERS[name], device)
@@ -71,7 +62,7 @@ def run_case(name, level, dname, source, seed, kinks='as drawn', device='cuda', 
         scale = float(rr.abs().max())
         err_t, err_a = (g - rr).abs() / scale, (a - rr).abs() / scale
         bound = 2 * float(err_a.max()) + _tolerance(got['input gradient'])
-        z = _pre_activation(ref, x)
+        z = pre_activation(ref, x) if hasattr(ref, 'proxy_gamma') else None  # GN+PN layers
         vals, idx = err_t.flatten().topk(TOP)
         top = []
         for v, j in zip(vals.tolist(), idx.tolist()):

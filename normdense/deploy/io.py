@@ -97,7 +97,7 @@ def load_fused(cfg, path: str, map_location: Union[str, torch.device] = 'cpu', n
     """Rebuild the fused model of ``cfg`` (a config path, Config or dict, switched as :func:`switched_config`)
     and load a ``save_fused`` file strictly; a file of another norm is one line naming both. ``norm``: switch the
     config to that norm first (as ``tools/train.py --norm``)."""
-    from ..checkpoint import CheckpointMismatchError, norm_of_keys, read_checkpoint
+    from ..checkpoint import CheckpointMismatchError, norm_of_keys, other_norm_line, read_checkpoint
     from ..errors import debug_requested
     ckpt = read_checkpoint(path, map_location=map_location)  # weights-only; one-line error if damaged
     if not isinstance(ckpt, dict) or ckpt.get('format') != FORMAT:
@@ -113,8 +113,6 @@ def load_fused(cfg, path: str, map_location: Union[str, torch.device] = 'cpu', n
         if debug_requested():
             from ..checkpoint import describe_mismatch, load_mismatch
             keys = f' ({describe_mismatch(*load_mismatch(model, ckpt["state_dict"]))})'
-        raise CheckpointMismatchError(f'fused checkpoint {path} holds {held} layers and the config builds {built}: '
-                                      f"pass norm='{held}' (as the run was trained with), or the config saved in its "
-                                      f'work dir{keys}')
+        raise CheckpointMismatchError(f"fused checkpoint {path} {other_norm_line(held, built, f'norm={held!r}')}{keys}")
     model.load_state_dict(ckpt['state_dict'], strict=True)
     return model.eval()

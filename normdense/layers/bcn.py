@@ -23,7 +23,7 @@ from ._distributed import reference_synced_moments, world_size
 from ._estimate import EstimateRateMixin, in_backward
 from ._statnorm import StatNorm2d
 from ._utils import standardization_affine
-from .eval_form import EvalForm, frozen
+from .eval_form import EvalForm, frozen_group_norm
 from .groups import check_group_values, group_policy, resolve_groups
 
 BCN_MODES = ('batch', 'estimate')
@@ -238,9 +238,8 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
         affine per channel."""
         scale, shift = self.eval_affine()
         weight, bias = self._channel_affine(self.weight, self.bias)
-        gn = nn.GroupNorm(self.num_groups, self.num_channels, eps=self.eps, device=weight.device, dtype=weight.dtype)
-        gn.weight, gn.bias = frozen(weight), frozen(bias)
-        return EvalForm(scale.to(dtype), shift.to(dtype), gn.train(False), weight.dtype, self.num_channels)
+        return EvalForm(scale.to(dtype), shift.to(dtype), frozen_group_norm(self.num_groups, weight, bias, self.eps),
+                        weight.dtype, self.num_channels)
 
     @classmethod
     def convert_norm(cls, module: nn.Module, num_groups: int = 32, **bcn_kwargs) -> nn.Module:

@@ -15,12 +15,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ['EvalForm', 'ChannelAffine', 'ChannelLinear', 'frozen', 'has_eval_form', 'plain_conv']
+__all__ = ['EvalForm', 'ChannelAffine', 'ChannelLinear', 'frozen', 'frozen_group_norm', 'has_eval_form', 'plain_conv']
 
 
 def frozen(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> nn.Parameter:
     """A parameter holding ``t`` (detached, in ``dtype``), not trained: what an eval form's modules hold."""
     return nn.Parameter(t.detach().to(t.dtype if dtype is None else dtype), requires_grad=False)
+
+
+def frozen_group_norm(num_groups: int, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> nn.GroupNorm:
+    """An eval-mode ``nn.GroupNorm`` holding ``weight``/``bias`` per channel (in their dtype, on their device)."""
+    gn = nn.GroupNorm(num_groups, weight.shape[0], eps=eps, device=weight.device, dtype=weight.dtype)
+    gn.weight, gn.bias = frozen(weight), frozen(bias)
+    return gn.train(False)
 
 
 class ChannelAffine(nn.Module):

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ._activations import PROXY_NORM_ACTIVATIONS, activation, activation_module
 from ._activations import resolve_activation as _resolve_activation
 from ._statnorm import StatNorm2d
-from .eval_form import ChannelAffine, EvalForm, frozen
+from .eval_form import ChannelAffine, EvalForm, frozen_group_norm
 from .groups import check_group_values, group_policy, resolve_groups
 
 __all__ = ['GroupProxyNorm', 'proxy_quantiles', 'PROXY_NORM_ACTIVATIONS']
@@ -256,8 +256,7 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
         q = torch.tensor(_quantile_values(self.num_samples), dtype=dtype, device=weight.device)
         mean, var = self._proxy_moments(weight, self.bias, self.proxy_beta, self.proxy_gamma, dtype, q)
         k = torch.rsqrt(var + self.proxy_eps) if self.proxy_scaling else torch.ones_like(var)
-        gn = nn.GroupNorm(self.num_groups, self.num_channels, eps=self.eps, device=weight.device, dtype=weight.dtype)
-        gn.weight, gn.bias = frozen(weight), frozen(self.bias)
+        gn = frozen_group_norm(self.num_groups, weight, self.bias, self.eps)
         proxy = ChannelAffine.of(k, -mean * k, weight.dtype, self.num_channels)
         rest = nn.Sequential(gn, activation_module(self.act, self.act_kwargs), proxy)
         return EvalForm(None, None, rest.train(False), weight.dtype, self.num_channels)

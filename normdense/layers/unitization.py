@@ -266,8 +266,7 @@ class UnitizationStage2(nn.Module):
     def __init__(self, src: Unitization2d, in_scale: torch.Tensor, in_shift: torch.Tensor):
         super().__init__()
         self.num_features = src.num_features
-        self.eps, self.n, self.norm_divisor, self.affine = src.eps, src.n, src.norm_divisor, src.affine
-        self.var_correction = src.var_correction
+        self.cfg = src._config()  # eps, affine, n, divisor, variance correction: what partial_unitize reads
         self.register_buffer('alpha', src.alpha.detach().clone())
         if src.affine:
             self.register_buffer('weight', src.weight.detach().clone())
@@ -286,8 +285,7 @@ class UnitizationStage2(nn.Module):
             x = x.float()
         bshape = (1, -1) + (1,) * (x.dim() - 2)
         x_hat = x * self.in_scale.to(x.dtype).view(bshape) + self.in_shift.to(x.dtype).view(bshape)
-        cfg = UnitizationConfig(self.eps, self.affine, self.n, self.norm_divisor, self.var_correction)
-        return partial_unitize(cfg, x_hat, self.alpha, self.weight, self.bias).to(in_dtype)
+        return partial_unitize(self.cfg, x_hat, self.alpha, self.weight, self.bias).to(in_dtype)
 
     def extra_repr(self):
-        return f'{self.num_features}, eps={self.eps}, n={self.n or "H*W"}'
+        return f'{self.num_features}, eps={self.cfg.eps}, n={self.cfg.n or "H*W"}'

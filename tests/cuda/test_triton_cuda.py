@@ -96,6 +96,12 @@ KINK_BAND = 1e-4  # |z - kink| within which a float32 evaluation may take either
 
 
 @torch.no_grad()
+def pre_activation(ref, x):
+    """The float64 pre-activation z = GN(x) of GN+PN layer ``ref`` (Eq. 7's argument of phi)."""
+    return F.group_norm(x.double(), ref.num_groups, ref.weight.double(), ref.bias.double(), ref.eps)
+
+
+@torch.no_grad()
 def near_kinks(ref, x):
     """(mask of the elements whose float64 pre-activation z = GN(x) of GN+PN layer ``ref`` lies within
     KINK_BAND of a kink of its activation, +-1: the side of it they lie on, dz/dx), or None without kinks."""
@@ -103,7 +109,7 @@ def near_kinks(ref, x):
     if not kinks:
         return None
     xd = x.double()
-    z = F.group_norm(xd, ref.num_groups, ref.weight.double(), ref.bias.double(), ref.eps)
+    z = pre_activation(ref, x)
     n, c = x.shape[:2]
     g = xd.reshape(n, ref.num_groups, -1)
     rstd = torch.rsqrt(g.var(-1, unbiased=False) + ref.eps).repeat_interleave(c // ref.num_groups, 1)
