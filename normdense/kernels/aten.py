@@ -215,7 +215,8 @@ class AtenBackend:
 
     @staticmethod
     def grad_layout(dy, x3):
-        """dy as the passes take it: x3's dtype, contiguous."""
+        """dy (in x's shape) as the passes take it: x3's shape and dtype, contiguous."""
+        dy = dy.reshape(x3.shape)
         return (dy if dy.dtype == x3.dtype else dy.to(x3.dtype)).contiguous()
 
     @staticmethod

@@ -217,15 +217,19 @@ def _sums(x3, cl, dy, m, v, coeffs, act, merged=True, split=None, key=None):
     count = 2 if act_id < 0 else 4
     g = _geom(x3, cl, dy, split)
     split = g.grid[1]
-    part = m.new_empty(split, count, n * c)
+    if merged:
+        part = m.new_empty(split, count, n * c)
+    else:  # the chunks' partials of each sum (SPLIT, N, C) views of one allocation; the first starts it
+        outs = m.new_empty(split, count, n, c).unbind(1)
+        part = outs[0]
     a, b = coeffs[0], coeffs[1]
     k = coeffs[2] if act_id >= 0 else a
     args = (x3, dy, part, m, v, a, b, k, n * c, c, length, g.chunk, act[1], act[2], act[3], act[4])
     if key is None or not _SUMS.hit(g.grid, args, key):
         _SUMS.launch(g.grid, args, {'ACT': act_id, 'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v, 'CL': cl,
                                     'ACC': acc_dtype(x3.dtype)}, key)
-    if not merged:  # the chunks' partials of each sum: (SPLIT, N, C) each
-        return part.view(split, count, n, c).unbind(1)
+    if not merged:
+        return outs
     if split > 1:
         out = m.new_empty(count, n * c)
         size = count * n * c
@@ -251,7 +255,9 @@ def dx(x3, dy, m, v, coeffs, dm, dv, gsum, act=None, batch=None, finish=None, sp
 def _dx(x3, cl, dy, m, v, coeffs, dm, dv, gsum, act, batch=None, finish=None, split=None,
         finish_block=FINISH_BLOCK.value, key=None):
     act_id = act[0]
-    out = torch.empty_like(x3)
+    # dy in x's shape (the engine's, NCL-contiguous): dx in it too, not viewed back by the engine
+    out = torch.empty_like(x3) if dy.dim() == 3 else \
+        torch.empty_like(dy) if dy.dtype == x3.dtype else torch.empty_like(dy, dtype=x3.dtype)
     g = _geom(x3, cl, dy, split)
     a, b = coeffs[0], coeffs[1]
     k = coeffs[2] if act_id >= 0 else a
@@ -311,8 +317,11 @@ class TritonBackend:
 
     @staticmethod
     def grad_layout(dy, x3):
-        """dy in x3's layout, in whatever dtype it came (the kernels read it as it is: no cast pass)."""
-        return like(dy, x3, not x3.is_contiguous())
+        """dy (in x's shape) in x3's layout, in whatever dtype it came (the kernels read it as it is: no cast
+        pass). For an (N, C, L)-contiguous x3 dy stays in x's shape, contiguous (the same memory; no view)."""
+        if x3.is_contiguous():
+            return dy.contiguous()
+        return like(dy.reshape(x3.shape), x3, True)
 
     @staticmethod
     def sums(x3, dy, stats: Statistics, pc, act=None, merged=True):

@@ -387,8 +387,9 @@ class StatNorm2d(nn.Module):
                                        first=stats.plan)
         y4 = out = None
         if plan.direct and x3 is view:  # the output in x's layout, written through its (N, C, L) view
-            y4 = torch.empty_like(x) if plan.out_dtype == x.dtype else torch.empty_like(x, dtype=plan.out_dtype)
-            out = y4.view(shape[0], shape[1], -1)
+            # the kernels take its pointer: x's memory layout is x3's
+            y4 = out = torch.empty_like(x) if plan.out_dtype == x.dtype else \
+                torch.empty_like(x, dtype=plan.out_dtype)
         y, pc = plan.backend.apply(x3, stats, coeffs, plan.act, plan.out_dtype, out)
         if ctx is not None:
             ctx.save_for_backward(x3)  # x only: channel-sized tensors are kept as attributes
@@ -491,7 +492,7 @@ def _backward_or_fallback(ctx, dy):
     call = ctx.call
     plan = call.plan
     n, c, length = x3.shape
-    dy = plan.backend.grad_layout(dy.reshape(n, c, length), x3)  # dy may be expanded (a sum's grad); once for both
+    dy = plan.backend.grad_layout(dy, x3)  # dy may be expanded (a sum's grad); once for both passes
     try:
         if not call.kernel_maps and autocast_on(x3.device.type):  # torch code between the passes
             with torch.autocast(x3.device.type, enabled=False):
@@ -509,7 +510,7 @@ def _backward_or_fallback(ctx, dy):
         coeffs, ctx.res = call.maps[0](stats.m, stats.v, stats.mean, stats.var, ctx.params, length, call.count)
         ctx.pc = AtenBackend.prepare(coeffs, stats.v)
         with _no_autocast(x3.device.type):
-            return _backward(ctx, x3, dy)
+            return _backward(ctx, x3, dy.reshape(n, c, length))
 
 
 def _op_backward(ctx, dy):
@@ -539,7 +540,9 @@ def _plain_backward(ctx, dy):
     dx, dparams = _backward_or_fallback(ctx, dy)
     if ctx.call.ends_iteration:  # gradients flowed back through an estimate-mode layer: the iteration ends
         mark_iteration()
-    return (None if dx is None else dx.view(*ctx.shape), None, None, None, *dparams)
+    if dx is not None and dx.dim() != len(ctx.shape):  # dx in x3's shape (the Triton passes write x's)
+        dx = dx.view(*ctx.shape)
+    return (dx, None, None, None, *dparams)
 
 
 _once = torch.autograd.function.once_differentiable(_plain_backward)
