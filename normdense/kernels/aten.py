@@ -241,14 +241,14 @@ class AtenBackend:
         return [k * ht, k * hs, dot, total], h
 
     @staticmethod
-    def dx(x3, dy, stats: Statistics, pc, dm, dv, gsum, act=None, batch=None, state=None, pending=None):
+    def dx(x3, dy, stats: Statistics, pc, dm, dv, grads, act=None, batch=None, state=None, pending=None):
         """dx = A g + c1 t + c0 (x3's dtype), c0 = (dm - A sum_l g) / L, c1 = 2 dv / L (0 where v = 0): c1 t + c0 in
         one pass, then A g added in place (g = K h with an activation, ``state`` from :meth:`sums`). ``batch`` =
         (mean, dmean, dvar, 1 / N): dm, dv first take the VJP of the (unsynchronized) batch statistics. The torch
         maps leave no ``pending`` sums."""
         if pending is not None:
             raise ValueError('the ATen backend runs the torch maps, which leave no pending sums')
-        m, length = stats.m, x3.shape[2]
+        m, length, gsum = stats.m, x3.shape[2], grads[1]  # grads: what sums returned
         if batch is not None:
             mean, dmean, dvar, scale = batch
             dm = dm + torch.addcmul(dmean * scale, m - mean, dvar, value=2 * scale)

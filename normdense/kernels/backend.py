@@ -248,15 +248,16 @@ class Backend(Protocol):
         and ``out_dtype``: a view of the layer's output), or None."""
 
     def grad_layout(self, dy: Tensor, x3: Tensor) -> Tensor:
-        """dy as the backward passes read it."""
+        """dy (the gradient of y, in x's shape) as the backward passes read it."""
 
-    def sums(self, x3: Tensor, dy: Tensor, stats: Statistics, pc, act=None, merged: bool = True) -> Tuple[list, Any]:
+    def sums(self, x3: Tensor, dy: Tensor, stats: Statistics, pc, act=None, merged: bool = True) -> Tuple[Any, Any]:
         """(the coefficients' gradients [sum g t, sum g (, sum dy act(z), sum dy)], state for :meth:`dx`);
-        ``merged`` False: the chunks' partials where the backend has chunks (for its kernel maps)."""
+        ``merged`` False: in the backend's own form for its kernel maps (Triton: the chunks' partials of all of
+        them in one (SPLIT, count, N, C) buffer)."""
 
-    def dx(self, x3: Tensor, dy: Tensor, stats: Statistics, pc, dm: Tensor, dv: Tensor, gsum, act=None,
+    def dx(self, x3: Tensor, dy: Tensor, stats: Statistics, pc, dm: Tensor, dv: Tensor, grads, act=None,
            batch: Optional[tuple] = None, state=None, pending: Optional[PendingSums] = None) -> Tensor:
-        """dx from the coefficient VJP's dm, dv; ``batch`` = (mean, dmean, dvar, 1 / N): the batch statistics' VJP
+        """dx from the coefficient VJP's dm, dv and ``grads`` (what :meth:`sums` returned); ``batch`` = (mean, dmean, dvar, 1 / N): the batch statistics' VJP
         too; ``pending``: sums this launch finishes (kernel maps only)."""
 
     def act_form(self, act) -> Any:

@@ -21,7 +21,7 @@ import functools
 import triton
 import triton.language as tl
 
-from .common import CHUNK, BlockSums, cdiv, group_tiles, rsqrt, sample_blocks, split_sum
+from .common import CHUNK, BlockSums, cdiv, group_tiles, rsqrt, grad_buffer, sample_blocks, split_sum
 from .first_stage import FOLD_SIZES, fold, fold_args, fold_consts
 from .launch import launcher
 
@@ -153,15 +153,16 @@ def _vjp_out(dm_ptr, dv_ptr, off, mask, mc, d, ga, gb, v, a, r, s, dvg, mean_gd)
     return ga * s + dum * mc + 2.0 * (dvg * v) * a, dum, dm
 
 
-@triton.jit(do_not_specialize=['N', 'C', 'G', 'PER', 'GSPLIT', 'GSTRIDE', 'N_PER', 'PSTRIDE'])
-def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_ptr, gb_ptr,
+@triton.jit(do_not_specialize=['N', 'C', 'G', 'PER', 'GSPLIT', 'GSTRIDE', 'GK', 'N_PER', 'PSTRIDE'])
+def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_ptr,
                     dm_ptr, dv_ptr, dmean_ptr, dvar_ptr, dbw_ptr, dbb_ptr, dw_ptr, db_ptr,
-                    N, C, G, PER, GSPLIT, GSTRIDE, N_PER, PSTRIDE, EPS: tl.constexpr, GROUP_AFFINE: tl.constexpr,
+                    N, C, G, PER, GSPLIT, GSTRIDE, GK, N_PER, PSTRIDE, EPS: tl.constexpr, GROUP_AFFINE: tl.constexpr,
                     WANTS_STATS: tl.constexpr,
                     CHUNKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
     pid_g = tl.program_id(0)
     dt = m_ptr.dtype.element_ty
     inv = 1.0 / tl.cast(PER, dt)
+    gb_ptr = ga_ptr + GK  # gB after gA in one buffer (common.grad_buffer)
     # this program's channels: whole groups, or (CHUNKED) chunk program_id(1) of one group
     grp, gmask, ch, cmask = _channels(pid_g, tl.program_id(1) * BLOCK_P, G, PER, BLOCK_G, BLOCK_P)
     mean, rs, bw, bb = _first_stage(mean_ptr, var_ptr, bw_ptr, bb_ptr, ch, cmask, dt, EPS)
@@ -313,24 +314,22 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups: int, eps
 def coeff_vjp(res, grads, wants_stats, *, num_groups: int, eps: float, group_affine: bool, defer: bool = False,
               chunk: int = CHUNK, tile: int = _TILE):
     """Triton ``BatchChannelNorm2d.coeff_vjp``, one launch: (dm, dv, dmean, dvar, (d batch_weight, d batch_bias,
-    d weight, d bias)) for the gradients (gA, gB) of (A, B), each (N, C) or its (SPLIT, N, C) chunk partials
+    d weight, d bias)) for the gradients (gA, gB) of (A, B): the sums kernel's (SPLIT, 2, N, C) chunk partials, or
+    each (N, C) or (SPLIT, N, C) (``common.grad_buffer``)
     (added in the kernel); dm, dv, dmean, dvar in m's dtype (dmean, dvar None unless ``wants_stats``: batch
     statistics), the parameter gradients in the parameters' dtypes. Many samples run on sample blocks too
     (``common.BlockSums``): ``defer`` returns their partials, dmean, dvar (SB, C) and the ``BlockSums`` in place
     of the parameter gradients, for dx to sum; else they are summed here. ``chunk``, ``tile``: as coeff_map's."""
     m, v, mean, var, bw, bb, w, b, key = res
-    ga, gb = grads[0], grads[1]
-    if ga.dim() != 3:  # merged (N, C) sums: any strides
-        ga, gb = ga.contiguous(), gb.contiguous()
+    g, gsplit, gstride, gk = grad_buffer(grads)
     n, c = m.shape
     per, grid, blocks, n_per, consts = _launch_plan(n, c, num_groups, eps, group_affine, True, bool(wants_stats),
                                                     chunk, tile)
     dm, dv = m.new_empty(n, c), m.new_empty(n, c)
     out = BlockSums(blocks, m, (bw, bb, w, b), wants_stats)
     dbw, dbb, dw, db, dmean, dvar = out.slots
-    gsplit, gstride = (ga.shape[0], ga.stride(0)) if ga.dim() == 3 else (1, 0)
-    args = (m, v, mean, var, bw, bb, w, ga, gb, dm, dv, dmean, dvar, dbw, dbb, dw, db, n, c, num_groups, per, gsplit,
-            gstride, n_per, out.stride)
+    args = (m, v, mean, var, bw, bb, w, g, dm, dv, dmean, dvar, dbw, dbb, dw, db, n, c, num_groups, per, gsplit,
+            gstride, gk, n_per, out.stride)
     if key is None or not _VJP.hit(grid, args, key):  # the forward's key: the VJP's arguments follow from it
         _VJP.launch(grid, args, consts, key)
     return (dm, dv) + out.result(defer)

@@ -74,6 +74,17 @@ def split_sum(ptr, off, mask, SPLIT, STRIDE, dt: tl.constexpr):
     return out
 
 
+def grad_buffer(grads):
+    """(buffer, SPLIT, STRIDE, K) of the coefficient gradients as the layers' VJP kernels read them: gradient k
+    at buffer + k K, its SPLIT chunk partials STRIDE apart, each (N, C) contiguous. The sums kernel's own
+    (SPLIT, count, N, C) partials come as they are (no view per gradient); separate (N, C) or (SPLIT, N, C)
+    tensors are stacked into one such buffer."""
+    if isinstance(grads, torch.Tensor):
+        return grads, grads.shape[0], grads.stride(0), grads.stride(1)
+    g = torch.stack([t if t.dim() == 3 else t.unsqueeze(0) for t in grads], 1)
+    return g, g.shape[0], g.stride(0), g.stride(1)
+
+
 def split_args(g):
     """(SPLIT, STRIDE) of a coefficient gradient: (N, C), or the (SPLIT, N, C) chunk partials of
     ``sums(merged=False)``."""

@@ -295,16 +295,18 @@ def _dx_map(t, g, a, a_full, c0, c1, b, ak, p0, p1, ACT: tl.constexpr):
     return a_full * g + c1 * t + c0
 
 
-@triton.jit(do_not_specialize=['C', 'L', 'CHUNK', 'GSPLIT', 'GSTRIDE', 'BSPLIT', 'BSTRIDE', 'FIN_P', 'FIN_SB',
-                               'FIN_STRIDE'])
+@triton.jit(do_not_specialize=['C', 'L', 'CHUNK', 'GOFF', 'GSPLIT', 'GSTRIDE', 'BSPLIT', 'BSTRIDE', 'FIN_P',
+                               'FIN_SB', 'FIN_STRIDE'])
 def _dx_kernel(x_ptr, dy_ptr, dx_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr, dv_ptr, gsum_ptr, mean_ptr,
-               dmean_ptr, dvar_ptr, fin_src, fin_dst, C, L, CHUNK, GSPLIT, GSTRIDE, BSPLIT, BSTRIDE, FIN_P, FIN_SB,
+               dmean_ptr, dvar_ptr, fin_src, fin_dst, C, L, CHUNK, GOFF, GSPLIT, GSTRIDE, BSPLIT, BSTRIDE, FIN_P, FIN_SB,
                FIN_STRIDE, sc_h, sc_l, p0h, p0l, p1h, p1l, ACT: tl.constexpr,
                BATCH: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, V: tl.constexpr,
                SMALL: tl.constexpr, CL: tl.constexpr, ACC: tl.constexpr, FINISH: tl.constexpr):
     """dx = A g + c1 t + c0 (:func:`_dx_coeffs`), g = dy (g = K dy act'(z) with an activation), written in
     x's dtype and layout; the programs' parts as in :func:`_apply_kernel`. The programs of split 0
-    also finish the layer VJP's FIN_P sample-block sums (FINISH: ``common.finish``)."""
+    also finish the layer VJP's FIN_P sample-block sums (FINISH: ``common.finish``). sum_l g at gsum_ptr + GOFF
+    (in the sums kernel's buffer of every gradient, ``common.grad_buffer``)."""
+    gsum_ptr = gsum_ptr + GOFF
     s = tl.program_id(1)
     Lf = L.to(ACC)
     scale = from_hi_lo(sc_h, sc_l, ACC)

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .activations import act_args, act_forward, act_grad
-from .common import CHUNK, BlockSums, cdiv, group_tiles, next_pow2, rsqrt, sample_blocks, split_sum
+from .common import CHUNK, BlockSums, cdiv, group_tiles, next_pow2, rsqrt, grad_buffer, sample_blocks, split_sum
 from .first_stage import FOLD_SIZES, fold, fold_args, fold_consts
 from .launch import launcher
 
@@ -200,11 +200,10 @@ def _coeff_map_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr, a_ptr, 
         _map_store(a_ptr, bb_ptr, k_ptr, l_ptr, off, mask, d, r, w, b, k, l_)
 
 
-@triton.jit(do_not_specialize=['N', 'C', 'G', 'per', 'S', 'GSPLIT', 'GSTRIDE', 'N_PER', 'PSTRIDE'])
+@triton.jit(do_not_specialize=['N', 'C', 'G', 'per', 'S', 'GSPLIT', 'GSTRIDE', 'GK', 'N_PER', 'PSTRIDE'])
 def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
-                      ga_ptr, gb_ptr, gk_ptr, gl_ptr, s_ga_n, s_ga_c, s_gb_n, s_gb_c, s_gk_n, s_gk_c, s_gl_n, s_gl_c,
-                      dm_ptr, dv_ptr, dw_ptr, db_ptr, dpb_ptr, dpg_ptr,
-                      N, C, G, per, S, GSPLIT, GSTRIDE, N_PER, PSTRIDE, EPS: tl.constexpr, PROXY_EPS: tl.constexpr,
+                      ga_ptr, dm_ptr, dv_ptr, dw_ptr, db_ptr, dpb_ptr, dpg_ptr,
+                      N, C, G, per, S, GSPLIT, GSTRIDE, GK, N_PER, PSTRIDE, EPS: tl.constexpr, PROXY_EPS: tl.constexpr,
                       ACT: tl.constexpr,
                       P0: tl.constexpr, P1: tl.constexpr, AFFINE: tl.constexpr, SCALING: tl.constexpr,
                       CHUNKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -212,6 +211,7 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
     dt = m_ptr.dtype.element_ty
     inv = 1.0 / tl.cast(per, dt)
     pid_g = tl.program_id(0)
+    gb_ptr, gk_ptr, gl_ptr = ga_ptr + GK, ga_ptr + 2 * GK, ga_ptr + 3 * GK  # one buffer (common.grad_buffer)
     # this program's channels: whole groups, or (CHUNKED) chunk program_id(1) of one group
     ch, cmask = _channels(pid_g, tl.program_id(1) * BLOCK_P, G, per, BLOCK_G, BLOCK_P)
     w, b, pb, pg = _params(w_ptr, b_ptr, pb_ptr, pg_ptr, ch, cmask, dt, AFFINE)
@@ -234,8 +234,8 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
                 mask_j = rmask & cmask_j[None]
                 ch3 = ch_j[None]
                 d_j = tl.where(mask_j, tl.load(m_ptr + rows * C + ch3, mask=mask_j, other=0.0) - mu, 0.0)
-                ga_j = split_sum(ga_ptr, rows * s_ga_n + ch3 * s_ga_c, mask_j, GSPLIT, GSTRIDE, dt)
-                gb_j = split_sum(gb_ptr, rows * s_gb_n + ch3 * s_gb_c, mask_j, GSPLIT, GSTRIDE, dt)
+                ga_j = split_sum(ga_ptr, rows * C + ch3, mask_j, GSPLIT, GSTRIDE, dt)
+                gb_j = split_sum(gb_ptr, rows * C + ch3, mask_j, GSPLIT, GSTRIDE, dt)
                 w_j = tl.load(w_ptr + ch3, mask=cmask_j[None], other=0.0).to(dt)
                 sgw += tl.sum((ga_j + gb_j * d_j) * w_j, axis=2)
                 sgb += tl.sum(gb_j * w_j, axis=2)
@@ -244,18 +244,18 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
             dvg = sgw[:, :, None] * (r * r * r * -0.5) * inv
             mean_gd = (r * sgb[:, :, None] + 2.0 * dvg * sd[:, :, None]) * inv  # mean_g(gb r gamma + 2 d dvg)
             d = tl.where(mask, tl.load(m_ptr + off, mask=mask, other=0.0) - mu, 0.0)
-            ga = split_sum(ga_ptr, rows * s_ga_n + ch[None] * s_ga_c, mask, GSPLIT, GSTRIDE, dt)
-            gb = split_sum(gb_ptr, rows * s_gb_n + ch[None] * s_gb_c, mask, GSPLIT, GSTRIDE, dt)
+            ga = split_sum(ga_ptr, off, mask, GSPLIT, GSTRIDE, dt)
+            gb = split_sum(gb_ptr, off, mask, GSPLIT, GSTRIDE, dt)
             ga_t = ga + gb * d  # total gradient of A (B = beta + A d)
         else:
             d, r = _gn_stage(m_ptr, v_ptr, off, mask, inv, EPS)
-            ga = split_sum(ga_ptr, rows * s_ga_n + ch[None] * s_ga_c, mask, GSPLIT, GSTRIDE, dt)
-            gb = split_sum(gb_ptr, rows * s_gb_n + ch[None] * s_gb_c, mask, GSPLIT, GSTRIDE, dt)
+            ga = split_sum(ga_ptr, off, mask, GSPLIT, GSTRIDE, dt)
+            gb = split_sum(gb_ptr, off, mask, GSPLIT, GSTRIDE, dt)
             ga_t = ga + gb * d
             dvg = tl.sum(ga_t * w[None], axis=2)[:, :, None] * (r * r * r * -0.5) * inv
             mean_gd = tl.sum(tl.where(mask, gb * (r * w[None]) + d * 2.0 * dvg, 0.0), axis=2)[:, :, None] * inv
-        gk3 += split_sum(gk_ptr, rows * s_gk_n + ch[None] * s_gk_c, mask, GSPLIT, GSTRIDE, dt)
-        gl3 += split_sum(gl_ptr, rows * s_gl_n + ch[None] * s_gl_c, mask, GSPLIT, GSTRIDE, dt)
+        gk3 += split_sum(gk_ptr, off, mask, GSPLIT, GSTRIDE, dt)
+        gl3 += split_sum(gl_ptr, off, mask, GSPLIT, GSTRIDE, dt)
         dw3 += ga_t * r
         db3 += gb
         gd = gb * (r * w[None]) + d * 2.0 * dvg
@@ -368,14 +368,15 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups, eps, act
 def coeff_vjp(res, grads, wants_stats, *, num_groups, eps, act, act_kwargs, proxy_eps, proxy_scaling,
               proxy_affine, defer=False, chunk=CHUNK, tile=_TILE):
     """``GroupProxyNorm.coeff_vjp`` in one launch: (dm, dv, None, None, (d weight, d bias, d proxy_beta,
-    d proxy_gamma)) (the proxy ones None without proxy_affine) for ``grads`` = (gA, gB, gK, gL), each (N, C)
-    with any strides or the (SPLIT, N, C) chunk partials (added in the kernel); dm, dv in m's dtype, the
+    d proxy_gamma)) (the proxy ones None without proxy_affine) for ``grads`` = (gA, gB, gK, gL): the sums
+    kernel's (SPLIT, 4, N, C) chunk partials (added in the kernel), or each (N, C) or (SPLIT, N, C)
+    (``common.grad_buffer``); dm, dv in m's dtype, the
     parameter gradients in the parameters' dtypes. Many samples run on sample blocks too: ``defer`` returns a
     ``common.BlockSums`` of their partials in place of the parameter gradients, for dx to sum. ``chunk``,
     ``tile``: as coeff_map's."""
     m, v, params, quantiles, key = res
     weight, bias, proxy_beta, proxy_gamma = params
-    ga, gb, gk, gl = grads
+    g, gsplit, gstride, gk = grad_buffer(grads)
     per, _, (grid, sb, n_per, consts) = _config(m, num_groups, quantiles, act, act_kwargs, chunk, tile, eps,
                                                 proxy_eps, proxy_scaling, proxy_affine)
     n, c = m.shape
@@ -383,11 +384,8 @@ def coeff_vjp(res, grads, wants_stats, *, num_groups, eps, act, act_kwargs, prox
     out = BlockSums(sb, m, (weight, bias) + ((proxy_beta, proxy_gamma) if proxy_affine else (None, None)), False)
     dw, db, dpb, dpg = out.slots[:4]
     pb, pg = (proxy_beta, proxy_gamma) if proxy_affine else (weight, weight)
-    strides = (*ga.stride()[-2:], *gb.stride()[-2:], *gk.stride()[-2:], *gl.stride()[-2:])  # (n, c); chunks' shared
-    gsplit, gstride = (ga.shape[0], ga.stride(0)) if ga.dim() == 3 else (1, 0)
-    # the strides are specialized integers (1, multiples of 16): part of the key
-    args = (m, v, weight, bias, pb, pg, quantiles, ga, gb, gk, gl, *strides, dm, dv, dw, db, dpb, dpg, n, c, num_groups,
-            per, quantiles.numel(), gsplit, gstride, n_per, out.stride)
-    if key is None or not _VJP.hit(grid, args, key):  # the forward's key: the strides follow from it
+    args = (m, v, weight, bias, pb, pg, quantiles, g, dm, dv, dw, db, dpb, dpg, n, c, num_groups, per,
+            quantiles.numel(), gsplit, gstride, gk, n_per, out.stride)
+    if key is None or not _VJP.hit(grid, args, key):  # the forward's key: the VJP's arguments follow from it
         _VJP.launch(grid, args, consts, key)
     return (dm, dv) + out.result(defer)

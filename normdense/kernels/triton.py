@@ -208,7 +208,8 @@ def sums(x3, dy, m, v, coeffs, act=None, merged=True, split=None, key=None):
     (the layers' VJP kernels, :func:`dx`): no merge launch. dy in any floating dtype, in x3's layout (else
     copied into it)."""
     x3, cl = read_layout(x3)
-    return _sums(x3, cl, like(dy, x3, cl), m, v, coeffs, _act(act), merged, split, key)
+    out = _sums(x3, cl, like(dy, x3, cl), m, v, coeffs, _act(act), merged, split, key)
+    return out if merged else out.unbind(1)
 
 
 def _sums(x3, cl, dy, m, v, coeffs, act, merged=True, split=None, key=None):
@@ -217,32 +218,29 @@ def _sums(x3, cl, dy, m, v, coeffs, act, merged=True, split=None, key=None):
     count = 2 if act_id < 0 else 4
     g = _geom(x3, cl, dy, split)
     split = g.grid[1]
-    if merged:
-        part = m.new_empty(split, count, n * c)
-    else:  # the chunks' partials of each sum (SPLIT, N, C) views of one allocation; the first starts it
-        outs = m.new_empty(split, count, n, c).unbind(1)
-        part = outs[0]
+    part = m.new_empty(split, count, n, c)
     a, b = coeffs[0], coeffs[1]
     k = coeffs[2] if act_id >= 0 else a
     args = (x3, dy, part, m, v, a, b, k, n * c, c, length, g.chunk, act[1], act[2], act[3], act[4])
     if key is None or not _SUMS.hit(g.grid, args, key):
         _SUMS.launch(g.grid, args, {'ACT': act_id, 'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v, 'CL': cl,
                                     'ACC': acc_dtype(x3.dtype)}, key)
-    if not merged:
-        return outs
+    if not merged:  # the layers' VJP kernels and dx read this buffer as it is (common.grad_buffer)
+        return part
     if split > 1:
-        out = m.new_empty(count, n * c)
+        out = m.new_empty(count, n, c)
         size = count * n * c
         _MERGE((cdiv(size, 1024), 1, 1), (part, out, size, split), {'BLOCK': 1024}, key)
     else:
         out = part[0]
-    return [t.view(n, c) for t in out.unbind(0)]
+    return out.unbind(0)
 
 
 def dx(x3, dy, m, v, coeffs, dm, dv, gsum, act=None, batch=None, finish=None, split=None,
        finish_block=FINISH_BLOCK.value, key=None):
     """dx (x3's shape, dtype and layout) from the coefficients' VJP (dm, dv) and sum_l g (``gsum``: (N, C), or
-    the (SPLIT, N, C) partials of ``sums(merged=False)``, added in the kernel); ``batch``
+    the (SPLIT, N, C) partials of ``sums(merged=False)``, added in the kernel, or the sums kernel's whole
+    (SPLIT, count, N, C) buffer, whose second gradient it is); ``batch``
     = (mean, dmean, dvar, 1 / N) adds the VJP of the (unsynchronized) batch statistics, dmean and dvar (C,) or
     the (SB, C) partials of the VJP's sample blocks (added in the kernel). ``finish``: the VJP's
     ``common.BlockSums`` whose partial parameter gradients this launch sums (if each of its programs can take
@@ -262,13 +260,15 @@ def _dx(x3, cl, dy, m, v, coeffs, dm, dv, gsum, act, batch=None, finish=None, sp
     a, b = coeffs[0], coeffs[1]
     k = coeffs[2] if act_id >= 0 else a
     mean, dmean, dvar, scale = batch if batch is not None else (m, m, m, 0.0)
-    gsplit, gstride = (gsum.shape[0], gsum.stride(0)) if gsum.dim() == 3 else (1, 0)
+    # sum_l g: (N, C), its (SPLIT, N, C) chunk partials, or the sums kernel's (SPLIT, count, N, C) buffer (the second)
+    goff, gsplit, gstride = (0, 1, 0) if gsum.dim() == 2 else (gsum.stride(1), gsum.shape[0], gsum.stride(0)) \
+        if gsum.dim() == 4 else (0, gsum.shape[0], gsum.stride(0))
     # dmean, dvar: the rows of one BlockSums buffer (one stride) at large N
     bsplit, bstride = (dmean.shape[0], dmean.stride(0)) if batch is not None and dmean.dim() == 2 else (1, 0)
     src, dst, fin_p, fin_sb, fin_stride = finish.dx_args(g.grid[0], finish_block) if finish is not None else \
         (m, m, 0, 1, 0)
     args = (x3, dy, out, m, v, a, b, k, dm, dv, gsum, mean, dmean, dvar, src, dst, x3.shape[1], x3.shape[2], g.chunk,
-            gsplit, gstride, bsplit, bstride, fin_p, fin_sb, fin_stride, *hi_lo(scale), act[1], act[2], act[3], act[4])
+            goff, gsplit, gstride, bsplit, bstride, fin_p, fin_sb, fin_stride, *hi_lo(scale), act[1], act[2], act[3], act[4])
     if key is None or not _DX.hit(g.grid, args, key):
         _DX.launch(g.grid, args, {'ACT': act_id, 'BATCH': batch is not None, 'BLOCK': g.block, 'BLOCK_C': g.block_c,
                                   'V': g.v, 'SMALL': g.small, 'CL': cl, 'ACC': acc_dtype(x3.dtype),
@@ -332,11 +332,12 @@ class TritonBackend:
                      key=_dy_key(stats.request.key, dy)), merged
 
     @staticmethod
-    def dx(x3, dy, stats: Statistics, pc, dm, dv, gsum, act=None, batch=None, state=None, pending=None):
-        """dx; ``pending``: a layer VJP's ``common.BlockSums`` (large N), summed in this launch."""
-        if state:  # the torch VJP's dm, dv (the kernel maps' are contiguous)
-            dm, dv = dm.contiguous(), dv.contiguous()
-        return _dx(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, dm, dv, gsum, act or _NO_ACT, batch, pending,
+    def dx(x3, dy, stats: Statistics, pc, dm, dv, grads, act=None, batch=None, state=None, pending=None):
+        """dx; ``grads``: what :meth:`sums` returned (the kernel's buffer as it is: no view of sum_l g);
+        ``pending``: a layer VJP's ``common.BlockSums`` (large N), summed in this launch."""
+        if state:  # the torch VJP's dm, dv (the kernel maps' are contiguous) and merged sums
+            dm, dv, grads = dm.contiguous(), dv.contiguous(), grads[1]
+        return _dx(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, dm, dv, grads, act or _NO_ACT, batch, pending,
                    key=_dy_key(stats.request.key, dy))
 
     @staticmethod

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import BlockSums, cdiv, from_hi_lo, hi_lo, next_pow2, rsqrt, sample_blocks, split_sum
+from .common import BlockSums, cdiv, from_hi_lo, hi_lo, next_pow2, rsqrt, grad_buffer, sample_blocks, split_sum
 from .first_stage import FOLD_SIZES, fold, fold_args, fold_consts
 from .launch import launcher
 
@@ -105,14 +105,15 @@ def _own(mean_ptr, rs_ptr, alpha_ptr, w_ptr, cols, cmask, dt, AFFINE: tl.constex
     return mean, rs, alpha, w
 
 
-@triton.jit(do_not_specialize=['N', 'C', 'GSPLIT', 'GSTRIDE', 'N_PER', 'PSTRIDE'])
-def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, rs_ptr, alpha_ptr, w_ptr, p_ptr, ga_ptr, gb_ptr,
-                      dm_ptr, de_ptr, dmean_ptr, dvar_ptr, dalpha_ptr, dw_ptr, db_ptr, N, C, GSPLIT, GSTRIDE,
+@triton.jit(do_not_specialize=['N', 'C', 'GSPLIT', 'GSTRIDE', 'GK', 'N_PER', 'PSTRIDE'])
+def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, rs_ptr, alpha_ptr, w_ptr, p_ptr, ga_ptr,
+                      dm_ptr, de_ptr, dmean_ptr, dvar_ptr, dalpha_ptr, dw_ptr, db_ptr, N, C, GSPLIT, GSTRIDE, GK,
                       N_PER, PSTRIDE, k_hi, k_lo, f_hi, f_lo,
                       AFFINE: tl.constexpr, WANTS_STATS: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     dt = m_ptr.dtype.element_ty
     k, f = from_hi_lo(k_hi, k_lo, dt), from_hi_lo(f_hi, f_lo, dt)
+    gb_ptr = ga_ptr + GK  # gB after gA in one buffer (common.grad_buffer)
     rows0 = tl.arange(0, BLOCK_N)
     cols0 = tl.arange(0, BLOCK_C)
     # this program's channels (mean, rs, alpha, gamma loaded where used: no spills across the channel loop)
@@ -239,23 +240,21 @@ def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None,
 
 def coeff_vjp(res, grads, wants_stats, *, affine, defer=False):
     """``Unitization2d.coeff_vjp`` in one launch: (dm, dv, dmean, dvar, (d alpha, d weight, d bias)),
-    dmean/dvar only when ``wants_stats``, d weight/d bias only with ``affine``; for ``grads`` (gA, gB), each
-    (N, C) or its (SPLIT, N, C) chunk partials (added in the kernel). dm, dv, dmean, dvar in m's dtype, the
+    dmean/dvar only when ``wants_stats``, d weight/d bias only with ``affine``; for ``grads`` (gA, gB): the sums
+    kernel's (SPLIT, 2, N, C) chunk partials (added in the kernel), or each (N, C) or (SPLIT, N, C)
+    (``common.grad_buffer``). dm, dv, dmean, dvar in m's dtype, the
     parameter gradients in the parameters' dtypes. Many samples run on sample blocks too (``common.BlockSums``):
     ``defer`` returns their partials, dmean, dvar (SB, C) and a ``BlockSums`` in place of the parameter
     gradients, for dx to sum; else they are summed here."""
     m, v, mean, rs, alpha, w, p, split, key = res
-    ga, gb = grads[0], grads[1]
-    if ga.dim() != 3:  # merged (N, C) sums: any strides
-        ga, gb = ga.contiguous(), gb.contiguous()
+    g, gsplit, gstride, gk = grad_buffer(grads)
     N, C = m.shape
     _, _, grid, blocks, n_per, consts = _launch_plan(N, C, m.dtype, affine, bool(wants_stats))
     dm, de = m.new_empty(N, C), m.new_empty(N, C)
     out = BlockSums(blocks, m, (alpha, w, w if affine else None), wants_stats)
     dalpha, dw, db, dmean, dvar = out.slots
-    gsplit, gstride = (ga.shape[0], ga.stride(0)) if ga.dim() == 3 else (1, 0)
-    args = (m, v, mean, rs, alpha, w if affine else alpha, p, ga, gb, dm, de, dmean, dvar, dalpha, dw, db, N, C, gsplit,
-            gstride, n_per, out.stride, *split[2:])
+    args = (m, v, mean, rs, alpha, w if affine else alpha, p, g, dm, de, dmean, dvar, dalpha, dw, db, N, C, gsplit,
+            gstride, gk, n_per, out.stride, *split[2:])
     if key is None or not _VJP.hit(grid, args, key):  # the forward's key: the VJP's arguments follow from it
         _VJP.launch(grid, args, consts, key)
     return (dm, de) + out.result(defer)

@@ -473,7 +473,7 @@ def _backward(ctx, x3, dy):
     dx = None
     if ctx.needs_input_grad[0]:
         batch = (stats.mean, dmean, dvar, 1.0 / x3.shape[0]) if call.kind == 'batch' else None
-        dx = be.dx(x3, dy, stats, pc, dm, dv, grads[1], act, batch, state, pending)
+        dx = be.dx(x3, dy, stats, pc, dm, dv, grads, act, batch, state, pending)
     for d, p in zip(dparams, ctx.params):
         if (d is None) != (p is None) or d is not None and d.dtype != p.dtype:
             break
