@@ -162,7 +162,8 @@ def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_p
     pid_g = tl.program_id(0)
     dt = m_ptr.dtype.element_ty
     inv = 1.0 / tl.cast(PER, dt)
-    gb_ptr = ga_ptr + GK  # gB after gA in one buffer (common.grad_buffer)
+    # gradient k of the sums' buffer at offset k GK (common.grad_buffer): offsets, not pointers derived from
+    # ga_ptr (one held across the loops spilled fp64 registers)
     # this program's channels: whole groups, or (CHUNKED) chunk program_id(1) of one group
     grp, gmask, ch, cmask = _channels(pid_g, tl.program_id(1) * BLOCK_P, G, PER, BLOCK_G, BLOCK_P)
     mean, rs, bw, bb = _first_stage(mean_ptr, var_ptr, bw_ptr, bb_ptr, ch, cmask, dt, EPS)
@@ -194,7 +195,7 @@ def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_p
                 mc_j, um_j = _um(m_ptr, rows * C + ch_j, mask_j, mean_j, a_j, bb_j)
                 d_j = tl.where(mask_j, um_j - mu, 0.0)
                 ga_j = split_sum(ga_ptr, rows * C + ch_j, mask_j, GSPLIT, GSTRIDE, dt)
-                gb_j = split_sum(gb_ptr, rows * C + ch_j, mask_j, GSPLIT, GSTRIDE, dt)
+                gb_j = split_sum(ga_ptr, rows * C + ch_j + GK, mask_j, GSPLIT, GSTRIDE, dt)
                 gs_j = ga_j * a_j + gb_j * d_j
                 if not GROUP_AFFINE:
                     w_j = tl.load(w_ptr + ch_j, mask=cmask_j, other=0.0).to(dt)
@@ -212,7 +213,7 @@ def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_p
             dvg = (sgs * r * r * r) * (-0.5 * inv)
             mean_gd = (r * sgb + 2.0 * dvg * sd[:, :, None]) * inv  # mean_g(gb s + 2 d dvg)
             ga = split_sum(ga_ptr, off, mask, GSPLIT, GSTRIDE, dt)
-            gb = split_sum(gb_ptr, off, mask, GSPLIT, GSTRIDE, dt)
+            gb = split_sum(ga_ptr, off + GK, mask, GSPLIT, GSTRIDE, dt)
             mc, um = _um(m_ptr, off, mask, mean, a, bb)
             d = tl.where(mask, um - mu, 0.0)
             s = r * w
@@ -222,7 +223,7 @@ def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_p
             d = tl.where(mask, um - (tl.sum(um, axis=2) * inv)[:, :, None], 0.0)
             r = rsqrt(tl.sum(v * (a * a) + d * d, axis=2) * inv + EPS)[:, :, None]
             ga = split_sum(ga_ptr, off, mask, GSPLIT, GSTRIDE, dt)
-            gb = split_sum(gb_ptr, off, mask, GSPLIT, GSTRIDE, dt)
+            gb = split_sum(ga_ptr, off + GK, mask, GSPLIT, GSTRIDE, dt)
             s = r * w
             gs = ga * a + gb * d  # d loss / d s; zero on padding lanes
             dvg = (tl.sum(gs * w, axis=2)[:, :, None] * r * r * r) * (-0.5 * inv)

@@ -210,8 +210,9 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
                       BLOCK_S: tl.constexpr):
     dt = m_ptr.dtype.element_ty
     inv = 1.0 / tl.cast(per, dt)
+    # gradient k of the sums' buffer at offset k GK (common.grad_buffer): offsets, not pointers derived from
+    # ga_ptr (one held across the loops spilled fp64 registers)
     pid_g = tl.program_id(0)
-    gb_ptr, gk_ptr, gl_ptr = ga_ptr + GK, ga_ptr + 2 * GK, ga_ptr + 3 * GK  # one buffer (common.grad_buffer)
     # this program's channels: whole groups, or (CHUNKED) chunk program_id(1) of one group
     ch, cmask = _channels(pid_g, tl.program_id(1) * BLOCK_P, G, per, BLOCK_G, BLOCK_P)
     w, b, pb, pg = _params(w_ptr, b_ptr, pb_ptr, pg_ptr, ch, cmask, dt, AFFINE)
@@ -235,7 +236,7 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
                 ch3 = ch_j[None]
                 d_j = tl.where(mask_j, tl.load(m_ptr + rows * C + ch3, mask=mask_j, other=0.0) - mu, 0.0)
                 ga_j = split_sum(ga_ptr, rows * C + ch3, mask_j, GSPLIT, GSTRIDE, dt)
-                gb_j = split_sum(gb_ptr, rows * C + ch3, mask_j, GSPLIT, GSTRIDE, dt)
+                gb_j = split_sum(ga_ptr, rows * C + ch3 + GK, mask_j, GSPLIT, GSTRIDE, dt)
                 w_j = tl.load(w_ptr + ch3, mask=cmask_j[None], other=0.0).to(dt)
                 sgw += tl.sum((ga_j + gb_j * d_j) * w_j, axis=2)
                 sgb += tl.sum(gb_j * w_j, axis=2)
@@ -245,17 +246,17 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
             mean_gd = (r * sgb[:, :, None] + 2.0 * dvg * sd[:, :, None]) * inv  # mean_g(gb r gamma + 2 d dvg)
             d = tl.where(mask, tl.load(m_ptr + off, mask=mask, other=0.0) - mu, 0.0)
             ga = split_sum(ga_ptr, off, mask, GSPLIT, GSTRIDE, dt)
-            gb = split_sum(gb_ptr, off, mask, GSPLIT, GSTRIDE, dt)
+            gb = split_sum(ga_ptr, off + GK, mask, GSPLIT, GSTRIDE, dt)
             ga_t = ga + gb * d  # total gradient of A (B = beta + A d)
         else:
             d, r = _gn_stage(m_ptr, v_ptr, off, mask, inv, EPS)
             ga = split_sum(ga_ptr, off, mask, GSPLIT, GSTRIDE, dt)
-            gb = split_sum(gb_ptr, off, mask, GSPLIT, GSTRIDE, dt)
+            gb = split_sum(ga_ptr, off + GK, mask, GSPLIT, GSTRIDE, dt)
             ga_t = ga + gb * d
             dvg = tl.sum(ga_t * w[None], axis=2)[:, :, None] * (r * r * r * -0.5) * inv
             mean_gd = tl.sum(tl.where(mask, gb * (r * w[None]) + d * 2.0 * dvg, 0.0), axis=2)[:, :, None] * inv
-        gk3 += split_sum(gk_ptr, off, mask, GSPLIT, GSTRIDE, dt)
-        gl3 += split_sum(gl_ptr, off, mask, GSPLIT, GSTRIDE, dt)
+        gk3 += split_sum(ga_ptr, off + 2 * GK, mask, GSPLIT, GSTRIDE, dt)
+        gl3 += split_sum(ga_ptr, off + 3 * GK, mask, GSPLIT, GSTRIDE, dt)
         dw3 += ga_t * r
         db3 += gb
         gd = gb * (r * w[None]) + d * 2.0 * dvg

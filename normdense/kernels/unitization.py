@@ -113,7 +113,8 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, rs_ptr, alpha_ptr, w_ptr, p_ptr, g
                       BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     dt = m_ptr.dtype.element_ty
     k, f = from_hi_lo(k_hi, k_lo, dt), from_hi_lo(f_hi, f_lo, dt)
-    gb_ptr = ga_ptr + GK  # gB after gA in one buffer (common.grad_buffer)
+    # gradient k of the sums' buffer at offset k GK (common.grad_buffer): offsets, not pointers derived from
+    # ga_ptr (one held across the loops spilled fp64 registers)
     rows0 = tl.arange(0, BLOCK_N)
     cols0 = tl.arange(0, BLOCK_C)
     # this program's channels (mean, rs, alpha, gamma loaded where used: no spills across the channel loop)
@@ -142,7 +143,7 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, rs_ptr, alpha_ptr, w_ptr, p_ptr, g
             if AFFINE:
                 coef = coef * tl.load(w_ptr + cj, mask=cjm, other=0.0).to(dt)
             ga_t = (split_sum(ga_ptr, idx, mask, GSPLIT, GSTRIDE, dt)
-                    + split_sum(gb_ptr, idx, mask, GSPLIT, GSTRIDE, dt)
+                    + split_sum(ga_ptr, idx + GK, mask, GSPLIT, GSTRIDE, dt)
                     * (tl.load(m_ptr + idx, mask=mask, other=0.0) - mean_j[None, :]))
             t += tl.sum(tl.where(mask, ga_t * coef[None, :], 0.0), axis=1)
         ds = t * p * p * p * (-0.5 * k)  # d loss / d (sum_c e rs^2), per sample
@@ -151,7 +152,7 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, rs_ptr, alpha_ptr, w_ptr, p_ptr, g
         mask = rmask[:, None] & cmask[None, :]
         idx = rows[:, None] * C + cols[None, :]
         ga = split_sum(ga_ptr, idx, mask, GSPLIT, GSTRIDE, dt)
-        gb = split_sum(gb_ptr, idx, mask, GSPLIT, GSTRIDE, dt)
+        gb = split_sum(ga_ptr, idx + GK, mask, GSPLIT, GSTRIDE, dt)
         mc = tl.load(m_ptr + idx, mask=mask, other=0.0) - mean[None, :]
         ga_t = ga + gb * mc  # B = A mc + beta
         sc0 = p[:, None] * alpha[None, :] + (1.0 - alpha)[None, :]
