@@ -153,17 +153,15 @@ def _vjp_out(dm_ptr, dv_ptr, off, mask, mc, d, ga, gb, v, a, r, s, dvg, mean_gd)
     return ga * s + dum * mc + 2.0 * (dvg * v) * a, dum, dm
 
 
-@triton.jit(do_not_specialize=['N', 'C', 'G', 'PER', 'GSPLIT', 'GSTRIDE', 'GK', 'N_PER', 'PSTRIDE'])
-def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_ptr,
+@triton.jit(do_not_specialize=['N', 'C', 'G', 'PER', 'GSPLIT', 'GSTRIDE', 'N_PER', 'PSTRIDE'])
+def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_ptr, gb_ptr,
                     dm_ptr, dv_ptr, dmean_ptr, dvar_ptr, dbw_ptr, dbb_ptr, dw_ptr, db_ptr,
-                    N, C, G, PER, GSPLIT, GSTRIDE, GK, N_PER, PSTRIDE, EPS: tl.constexpr, GROUP_AFFINE: tl.constexpr,
+                    N, C, G, PER, GSPLIT, GSTRIDE, N_PER, PSTRIDE, EPS: tl.constexpr, GROUP_AFFINE: tl.constexpr,
                     WANTS_STATS: tl.constexpr,
                     CHUNKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
     pid_g = tl.program_id(0)
     dt = m_ptr.dtype.element_ty
     inv = 1.0 / tl.cast(PER, dt)
-    # gradient k of the sums' buffer at offset k GK (common.grad_buffer): offsets, not pointers derived from
-    # ga_ptr (one held across the loops spilled fp64 registers)
     # this program's channels: whole groups, or (CHUNKED) chunk program_id(1) of one group
     grp, gmask, ch, cmask = _channels(pid_g, tl.program_id(1) * BLOCK_P, G, PER, BLOCK_G, BLOCK_P)
     mean, rs, bw, bb = _first_stage(mean_ptr, var_ptr, bw_ptr, bb_ptr, ch, cmask, dt, EPS)
@@ -195,7 +193,7 @@ def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_p
                 mc_j, um_j = _um(m_ptr, rows * C + ch_j, mask_j, mean_j, a_j, bb_j)
                 d_j = tl.where(mask_j, um_j - mu, 0.0)
                 ga_j = split_sum(ga_ptr, rows * C + ch_j, mask_j, GSPLIT, GSTRIDE, dt)
-                gb_j = split_sum(ga_ptr, rows * C + ch_j + GK, mask_j, GSPLIT, GSTRIDE, dt)
+                gb_j = split_sum(gb_ptr, rows * C + ch_j, mask_j, GSPLIT, GSTRIDE, dt)
                 gs_j = ga_j * a_j + gb_j * d_j
                 if not GROUP_AFFINE:
                     w_j = tl.load(w_ptr + ch_j, mask=cmask_j, other=0.0).to(dt)
@@ -213,7 +211,7 @@ def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_p
             dvg = (sgs * r * r * r) * (-0.5 * inv)
             mean_gd = (r * sgb + 2.0 * dvg * sd[:, :, None]) * inv  # mean_g(gb s + 2 d dvg)
             ga = split_sum(ga_ptr, off, mask, GSPLIT, GSTRIDE, dt)
-            gb = split_sum(ga_ptr, off + GK, mask, GSPLIT, GSTRIDE, dt)
+            gb = split_sum(gb_ptr, off, mask, GSPLIT, GSTRIDE, dt)
             mc, um = _um(m_ptr, off, mask, mean, a, bb)
             d = tl.where(mask, um - mu, 0.0)
             s = r * w
@@ -223,7 +221,7 @@ def _bcn_vjp_kernel(m_ptr, v_ptr, mean_ptr, var_ptr, bw_ptr, bb_ptr, w_ptr, ga_p
             d = tl.where(mask, um - (tl.sum(um, axis=2) * inv)[:, :, None], 0.0)
             r = rsqrt(tl.sum(v * (a * a) + d * d, axis=2) * inv + EPS)[:, :, None]
             ga = split_sum(ga_ptr, off, mask, GSPLIT, GSTRIDE, dt)
-            gb = split_sum(ga_ptr, off + GK, mask, GSPLIT, GSTRIDE, dt)
+            gb = split_sum(gb_ptr, off, mask, GSPLIT, GSTRIDE, dt)
             s = r * w
             gs = ga * a + gb * d  # d loss / d s; zero on padding lanes
             dvg = (tl.sum(gs * w, axis=2)[:, :, None] * r * r * r) * (-0.5 * inv)
@@ -322,15 +320,17 @@ def coeff_vjp(res, grads, wants_stats, *, num_groups: int, eps: float, group_aff
     (``common.BlockSums``): ``defer`` returns their partials, dmean, dvar (SB, C) and the ``BlockSums`` in place
     of the parameter gradients, for dx to sum; else they are summed here. ``chunk``, ``tile``: as coeff_map's."""
     m, v, mean, var, bw, bb, w, b, key = res
-    g, gsplit, gstride, gk = grad_buffer(grads)
+    # gA at the buffer's start, gB one view: gB's own pointer (one derived in the kernel spills fp64 registers)
+    ga, gsplit, gstride, _ = grad_buffer(grads)
+    gb = ga.select(1, 1)
     n, c = m.shape
     per, grid, blocks, n_per, consts = _launch_plan(n, c, num_groups, eps, group_affine, True, bool(wants_stats),
                                                     chunk, tile)
     dm, dv = m.new_empty(n, c), m.new_empty(n, c)
     out = BlockSums(blocks, m, (bw, bb, w, b), wants_stats)
     dbw, dbb, dw, db, dmean, dvar = out.slots
-    args = (m, v, mean, var, bw, bb, w, g, dm, dv, dmean, dvar, dbw, dbb, dw, db, n, c, num_groups, per, gsplit,
-            gstride, gk, n_per, out.stride)
+    args = (m, v, mean, var, bw, bb, w, ga, gb, dm, dv, dmean, dvar, dbw, dbb, dw, db, n, c, num_groups, per, gsplit,
+            gstride, n_per, out.stride)
     if key is None or not _VJP.hit(grid, args, key):  # the forward's key: the VJP's arguments follow from it
         _VJP.launch(grid, args, consts, key)
     return (dm, dv) + out.result(defer)

@@ -85,12 +85,6 @@ def grad_buffer(grads):
     return g, g.shape[0], g.stride(0), g.stride(1)
 
 
-def split_args(g):
-    """(SPLIT, STRIDE) of a coefficient gradient: (N, C), or the (SPLIT, N, C) chunk partials of
-    ``sums(merged=False)``."""
-    return (g.shape[0], g.stride(0)) if g.dim() == 3 else (1, 0)
-
-
 # --- the passes' tiles of the activation -----------------------------------------------------------------------
 def vector_width(*tensors) -> int:
     """V (elements) of the narrowest dtype among ``tensors``: V lanes of it are 16 bytes, and V lanes of a
