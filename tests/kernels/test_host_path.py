@@ -101,3 +101,36 @@ def _imports(step):
     finally:
         builtins.__import__ = original
     return seen
+
+
+# Views the engine makes per Triton training step (each a tensor object, ~1-1.5 us of host time with x requiring
+# grad; TorchDispatchMode, autograd's own expand of the sum's gradient not counted): x viewed (N, C, L), and BCN's
+# gB in the sums' buffer (its VJP kernel keeps a gB pointer: one derived in the kernel spills fp64 registers).
+# y, dy and dx stay in x's shape, and the sums' partials reach the VJP and dx launches as one buffer.
+VIEWS = {'bcn-estimate': 2, 'bcn-batch': 2, 'gnpn-relu': 1, 'unitization-batch': 1, 'unitization-estimate': 1}
+
+
+@pytest.mark.parametrize('name', sorted(VIEWS))
+def test_views_per_training_step(name):
+    if os.environ.get('TRITON_INTERPRET') != '1':
+        pytest.skip('stubs the launches of CPU tensors (the interpreter)')
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Views(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.is_view and func.overloadpacket is not torch.ops.aten.expand:
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with stub_launches():
+        step = _step(_layers()[name]())
+        for _ in range(3):
+            step()
+        with Views() as views:
+            step()
+    assert len(views.seen) <= VIEWS[name], f'{name}: {len(views.seen)} views per step (budget {VIEWS[name]}): ' \
+                                           f'{views.seen}'
