@@ -257,8 +257,9 @@ class Backend(Protocol):
 
     def dx(self, x3: Tensor, dy: Tensor, stats: Statistics, pc, dm: Tensor, dv: Tensor, grads, act=None,
            batch: Optional[tuple] = None, state=None, pending: Optional[PendingSums] = None) -> Tensor:
-        """dx from the coefficient VJP's dm, dv and ``grads`` (what :meth:`sums` returned); ``batch`` = (mean, dmean, dvar, 1 / N): the batch statistics' VJP
-        too; ``pending``: sums this launch finishes (kernel maps only)."""
+        """dx from the coefficient VJP's dm, dv and ``grads`` (what :meth:`sums` returned); ``batch`` = (mean,
+        dmean, dvar, 1 / N): the batch statistics' VJP too; ``pending``: sums this launch finishes (kernel maps
+        only)."""
 
     def act_form(self, act) -> Any:
         """The activation (an Activation) as this backend's passes take it (``act`` of apply, sums, dx)."""

@@ -298,8 +298,8 @@ def _dx_map(t, g, a, a_full, c0, c1, b, ak, p0, p1, ACT: tl.constexpr):
 @triton.jit(do_not_specialize=['C', 'L', 'CHUNK', 'GOFF', 'GSPLIT', 'GSTRIDE', 'BSPLIT', 'BSTRIDE', 'FIN_P',
                                'FIN_SB', 'FIN_STRIDE'])
 def _dx_kernel(x_ptr, dy_ptr, dx_ptr, m_ptr, v_ptr, a_ptr, b_ptr, k_ptr, dm_ptr, dv_ptr, gsum_ptr, mean_ptr,
-               dmean_ptr, dvar_ptr, fin_src, fin_dst, C, L, CHUNK, GOFF, GSPLIT, GSTRIDE, BSPLIT, BSTRIDE, FIN_P, FIN_SB,
-               FIN_STRIDE, sc_h, sc_l, p0h, p0l, p1h, p1l, ACT: tl.constexpr,
+               dmean_ptr, dvar_ptr, fin_src, fin_dst, C, L, CHUNK, GOFF, GSPLIT, GSTRIDE, BSPLIT, BSTRIDE, FIN_P,
+               FIN_SB, FIN_STRIDE, sc_h, sc_l, p0h, p0l, p1h, p1l, ACT: tl.constexpr,
                BATCH: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, V: tl.constexpr,
                SMALL: tl.constexpr, CL: tl.constexpr, ACC: tl.constexpr, FINISH: tl.constexpr):
     """dx = A g + c1 t + c0 (:func:`_dx_coeffs`), g = dy (g = K dy act'(z) with an activation), written in

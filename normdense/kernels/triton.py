@@ -260,7 +260,7 @@ def _dx(x3, cl, dy, m, v, coeffs, dm, dv, gsum, act, batch=None, finish=None, sp
     a, b = coeffs[0], coeffs[1]
     k = coeffs[2] if act_id >= 0 else a
     mean, dmean, dvar, scale = batch if batch is not None else (m, m, m, 0.0)
-    # sum_l g: (N, C), its (SPLIT, N, C) chunk partials, or the sums kernel's (SPLIT, count, N, C) buffer (the second)
+    # sum_l g: (N, C), its (SPLIT, N, C) chunk partials, or the second of the sums kernel's (SPLIT, count, N, C)
     goff, gsplit, gstride = (0, 1, 0) if gsum.dim() == 2 else (gsum.stride(1), gsum.shape[0], gsum.stride(0)) \
         if gsum.dim() == 4 else (0, gsum.shape[0], gsum.stride(0))
     # dmean, dvar: the rows of one BlockSums buffer (one stride) at large N
@@ -268,7 +268,8 @@ def _dx(x3, cl, dy, m, v, coeffs, dm, dv, gsum, act, batch=None, finish=None, sp
     src, dst, fin_p, fin_sb, fin_stride = finish.dx_args(g.grid[0], finish_block) if finish is not None else \
         (m, m, 0, 1, 0)
     args = (x3, dy, out, m, v, a, b, k, dm, dv, gsum, mean, dmean, dvar, src, dst, x3.shape[1], x3.shape[2], g.chunk,
-            goff, gsplit, gstride, bsplit, bstride, fin_p, fin_sb, fin_stride, *hi_lo(scale), act[1], act[2], act[3], act[4])
+            goff, gsplit, gstride, bsplit, bstride, fin_p, fin_sb, fin_stride, *hi_lo(scale), act[1], act[2], act[3],
+            act[4])
     if key is None or not _DX.hit(g.grid, args, key):
         _DX.launch(g.grid, args, {'ACT': act_id, 'BATCH': batch is not None, 'BLOCK': g.block, 'BLOCK_C': g.block_c,
                                   'V': g.v, 'SMALL': g.small, 'CL': cl, 'ACC': acc_dtype(x3.dtype),

@@ -19,8 +19,9 @@ SHAPE = (2, 64, 4, 4)
 
 # Calls made by normdense's own code per forward+backward (Python functions and builtins it calls directly;
 # what torch's functions call in turn is torch's). Measured at the change that introduced this test; lower it
-# when the path gets leaner, never raise it without a reason written here.
-OUR_CALLS = {'bcn-estimate': 142, 'bcn-batch': 137, 'gnpn-relu': 142, 'unitization-batch': 134,
+# when the path gets leaner, never raise it without a reason written here. BCN +1 (the fewer-views change): its
+# VJP kernel takes gB as a view of the sums' buffer (a gB derived in the kernel spilled fp64 registers); GN+PN -3.
+OUR_CALLS = {'bcn-estimate': 143, 'bcn-batch': 138, 'gnpn-relu': 139, 'unitization-batch': 134,
              'unitization-estimate': 138}
 MAX_TOTAL = 200  # every call of the step, torch's and cProfile's builtins included (the host-path target)
 
