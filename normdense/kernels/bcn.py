@@ -21,7 +21,7 @@ import functools
 import triton
 import triton.language as tl
 
-from .common import CHUNK, BlockSums, cdiv, group_tiles, rsqrt, grad_buffer, sample_blocks, split_sum
+from .common import CHUNK, BlockSums, cdiv, grad_buffer, group_tiles, rsqrt, sample_blocks, split_sum
 from .first_stage import FOLD_SIZES, fold, fold_args, fold_consts
 from .launch import launcher
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .activations import act_args, act_forward, act_grad
-from .common import CHUNK, BlockSums, cdiv, group_tiles, next_pow2, rsqrt, grad_buffer, sample_blocks, split_sum
+from .common import CHUNK, BlockSums, cdiv, grad_buffer, group_tiles, next_pow2, rsqrt, sample_blocks, split_sum
 from .first_stage import FOLD_SIZES, fold, fold_args, fold_consts
 from .launch import launcher
 
@@ -211,7 +211,7 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
     dt = m_ptr.dtype.element_ty
     inv = 1.0 / tl.cast(per, dt)
     # gradient k of the sums' buffer at offset k GK (common.grad_buffer): offsets, not pointers derived from
-    # ga_ptr (one held across the loops spilled fp64 registers)
+    # ga_ptr (one held across the loops spilled fp64 registers in BCN's VJP kernel)
     pid_g = tl.program_id(0)
     # this program's channels: whole groups, or (CHUNKED) chunk program_id(1) of one group
     ch, cmask = _channels(pid_g, tl.program_id(1) * BLOCK_P, G, per, BLOCK_G, BLOCK_P)

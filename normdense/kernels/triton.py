@@ -261,8 +261,10 @@ def _dx(x3, cl, dy, m, v, coeffs, dm, dv, gsum, act, batch=None, finish=None, sp
     k = coeffs[2] if act_id >= 0 else a
     mean, dmean, dvar, scale = batch if batch is not None else (m, m, m, 0.0)
     # sum_l g: (N, C), its (SPLIT, N, C) chunk partials, or the second of the sums kernel's (SPLIT, count, N, C)
-    goff, gsplit, gstride = (0, 1, 0) if gsum.dim() == 2 else (gsum.stride(1), gsum.shape[0], gsum.stride(0)) \
-        if gsum.dim() == 4 else (0, gsum.shape[0], gsum.stride(0))
+    if gsum.dim() == 2:
+        goff, gsplit, gstride = 0, 1, 0
+    else:
+        goff, gsplit, gstride = gsum.stride(1) if gsum.dim() == 4 else 0, gsum.shape[0], gsum.stride(0)
     # dmean, dvar: the rows of one BlockSums buffer (one stride) at large N
     bsplit, bstride = (dmean.shape[0], dmean.stride(0)) if batch is not None and dmean.dim() == 2 else (1, 0)
     src, dst, fin_p, fin_sb, fin_stride = finish.dx_args(g.grid[0], finish_block) if finish is not None else \
@@ -326,20 +328,22 @@ class TritonBackend:
 
     @staticmethod
     def sums(x3, dy, stats: Statistics, pc, act=None, merged=True):
-        """The coefficients' gradients, each (N, C), or (``merged`` False) the chunks' (SPLIT, N, C) partials that
-        the layers' Triton VJP kernels and dx add as they load them."""
-        # the state for dx: whether the VJP was torch's (merged sums; its dm, dv may be strided)
-        return _sums(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, act or _NO_ACT, merged,
-                     key=_dy_key(stats.request.key, dy)), merged
+        """The coefficients' gradients, each (N, C), or (``merged`` False) the chunks' partials of all of them in one
+        (SPLIT, count, N, C) buffer, which the layers' Triton VJP kernels and dx add as they load them."""
+        key = _dy_key(stats.request.key, dy)
+        # the state for dx: whether the VJP was torch's (merged sums; its dm, dv may be strided), dy's launch key
+        return _sums(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, act or _NO_ACT, merged, key=key), \
+            (merged, key)
 
     @staticmethod
     def dx(x3, dy, stats: Statistics, pc, dm, dv, grads, act=None, batch=None, state=None, pending=None):
         """dx; ``grads``: what :meth:`sums` returned (the kernel's buffer as it is: no view of sum_l g);
         ``pending``: a layer VJP's ``common.BlockSums`` (large N), summed in this launch."""
-        if state:  # the torch VJP's dm, dv (the kernel maps' are contiguous) and merged sums
+        merged, key = state
+        if merged:  # the torch VJP's dm, dv (the kernel maps' are contiguous) and merged sums
             dm, dv, grads = dm.contiguous(), dv.contiguous(), grads[1]
         return _dx(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, dm, dv, grads, act or _NO_ACT, batch, pending,
-                   key=_dy_key(stats.request.key, dy))
+                   key=key)
 
     @staticmethod
     def act_form(act):

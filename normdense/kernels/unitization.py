@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import BlockSums, cdiv, from_hi_lo, hi_lo, next_pow2, rsqrt, grad_buffer, sample_blocks, split_sum
+from .common import BlockSums, cdiv, from_hi_lo, grad_buffer, hi_lo, next_pow2, rsqrt, sample_blocks, split_sum
 from .first_stage import FOLD_SIZES, fold, fold_args, fold_consts
 from .launch import launcher
 
@@ -114,7 +114,7 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, rs_ptr, alpha_ptr, w_ptr, p_ptr, g
     dt = m_ptr.dtype.element_ty
     k, f = from_hi_lo(k_hi, k_lo, dt), from_hi_lo(f_hi, f_lo, dt)
     # gradient k of the sums' buffer at offset k GK (common.grad_buffer): offsets, not pointers derived from
-    # ga_ptr (one held across the loops spilled fp64 registers)
+    # ga_ptr (one held across the loops spilled fp64 registers in BCN's VJP kernel)
     rows0 = tl.arange(0, BLOCK_N)
     cols0 = tl.arange(0, BLOCK_C)
     # this program's channels (mean, rs, alpha, gamma loaded where used: no spills across the channel loop)

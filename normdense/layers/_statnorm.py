@@ -386,8 +386,7 @@ class StatNorm2d(nn.Module):
             coeffs, res = call.maps[0](stats.m, stats.v, stats.mean, stats.var, params, x3.shape[2], count,
                                        first=stats.plan)
         y4 = out = None
-        if plan.direct and x3 is view:  # the output in x's layout, written through its (N, C, L) view
-            # the kernels take its pointer: x's memory layout is x3's
+        if plan.direct and x3 is view:  # the output in x's shape and layout (x's memory layout is x3's): no view
             y4 = out = torch.empty_like(x) if plan.out_dtype == x.dtype else \
                 torch.empty_like(x, dtype=plan.out_dtype)
         y, pc = plan.backend.apply(x3, stats, coeffs, plan.act, plan.out_dtype, out)
@@ -491,7 +490,6 @@ def _backward_or_fallback(ctx, dy):
     x3, = ctx.saved_tensors
     call = ctx.call
     plan = call.plan
-    n, c, length = x3.shape
     dy = plan.backend.grad_layout(dy, x3)  # dy may be expanded (a sum's grad); once for both passes
     try:
         if not call.kernel_maps and autocast_on(x3.device.type):  # torch code between the passes
@@ -503,6 +501,7 @@ def _backward_or_fallback(ctx, dy):
         return _backward(ctx, x3, dy)
     except plan.errors as e:
         give_up_triton(call.option, e)
+        n, c, length = x3.shape
         aten = plan._replace(backend=AtenBackend, errors=(), maps=plan.torch_maps, device=None, cuda=None,
                              autocast=True, direct=False, act=plan.activation)
         ctx.call = call = call._replace(plan=aten, maps=plan.torch_maps, kernel_maps=False)
