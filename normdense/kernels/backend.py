@@ -227,10 +227,24 @@ class PendingSums:
         raise NotImplementedError
 
 
+def ncl(x: Tensor):
+    """(N, C, L) of x (N, C, *positions): L the positions per (sample, channel)."""
+    s = x.shape
+    if len(s) == 3:
+        return s
+    if len(s) == 4:
+        return s[0], s[1], s[2] * s[3]
+    length = 1
+    for d in s[2:]:
+        length *= d
+    return s[0], s[1], length
+
+
 class Backend(Protocol):
-    """The passes over the activation x3 (N, C, L). Coefficients are (N, C) in the compute dtype; ``pc`` is what
-    :meth:`prepare` makes of them; ``act`` None (y = A t + B) or an activation with ``name``, ``kwargs``,
-    ``forward(z)``, ``backward(g, z, out)`` (y = K act(A t + B) + L')."""
+    """The passes over the activation x3 (N, C, L); a backend with ``kernel_maps`` takes x (N, C, *positions)
+    itself as x3 too (no (N, C, L) view: one costs a training step ~4 us), its sizes by :func:`ncl`. Coefficients
+    are (N, C) in the compute dtype; ``pc`` is what :meth:`prepare` makes of them; ``act`` None (y = A t + B) or
+    an activation with ``name``, ``kwargs``, ``forward(z)``, ``backward(g, z, out)`` (y = K act(A t + B) + L')."""
     name: str
     kernel_maps: bool  # the layers' kernel transcriptions of their maps run on it (``_coeff_maps(True)``)
 

@@ -173,10 +173,11 @@ class FirstStage:
     the tuple F of pointers and float pairs that :func:`channel_stats` unpacks; ``sizes``: (L, CHUNK, SPLIT,
     WRITE), integers kept out of the tuple (Triton specializes a tuple's integers, do_not_specialize or not)."""
 
+    __slots__ = ('outputs', 'fold', 'key', 'mode', 'momentum', 'shape', 'geometry')
+
     def __init__(self, part, split, chunk, shape, mode=STATS_NONE, stat_mean=None, stat_var=None, base=None,
                  rate=0.0, momentum=0.1, write=False, nbt=None, key=None):
         n, c, length = shape
-        dt = part.dtype
         # one allocation each, integer sizes: cheaper on the host than views of a shared one
         m, v = part.new_empty(n, c), part.new_empty(n, c)
         mean = var = moved = None
@@ -186,16 +187,23 @@ class FirstStage:
             moved = part.new_empty(2, c)
         upd = part.new_empty(2, c) if write else None
         self.outputs = (m, v, mean, var, moved, upd)
-        self.mode, self.cumulative = mode, mode == STATS_BATCH and momentum is None
-        self.shape, self.dtype, self.acc = (n, c, length), dt, tl.float64 if dt == torch.float64 else tl.float32
+        self.mode, self.momentum, self.shape = mode, momentum, shape
         f = m  # the unused pointers' stand-in (no generator: this runs on every training call)
-        self.args = (part, m, v, f if mean is None else mean, f if var is None else var,
-                     f if stat_mean is None else stat_mean, f if stat_var is None else stat_var,
-                     f if base is None else base, f if moved is None else moved, f if upd is None else upd,
-                     f if nbt is None else nbt, *hi_lo(rate), *hi_lo(0.0 if momentum is None else momentum))
-        self.sizes = (length, chunk, split, int(bool(write)))
-        self.fold = (self.args, ) + self.sizes  # a map kernel's runtime fold arguments (F, fL, fCHUNK, fSPLIT, fWRITE)
+        args = (part, m, v, f if mean is None else mean, f if var is None else var,
+                f if stat_mean is None else stat_mean, f if stat_var is None else stat_var,
+                f if base is None else base, f if moved is None else moved, f if upd is None else upd,
+                f if nbt is None else nbt, *hi_lo(rate), *hi_lo(0.0 if momentum is None else momentum))
+        # a map kernel's runtime fold arguments (F, fL, fCHUNK, fSPLIT, fWRITE): the only tuple built per call
+        self.fold = (args, length, chunk, split, 1 if write else 0)
         self.key = key  # the call's launch-cache key, for the map kernel that runs this stage
+        self.geometry = None  # a backend's launch geometry over x, if it keeps one here
+
+    # what the launches read on a miss or in the standalone kernel only: derived, not stored per call
+    args = property(lambda self: self.fold[0])
+    sizes = property(lambda self: self.fold[1:])
+    dtype = property(lambda self: self.fold[0][0].dtype)
+    cumulative = property(lambda self: self.mode == STATS_BATCH and self.momentum is None)
+    acc = property(lambda self: tl.float64 if self.dtype == torch.float64 else tl.float32)
 
     def launch(self):
         """The standalone stats kernel: one program per block of channels."""

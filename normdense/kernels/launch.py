@@ -33,6 +33,9 @@ _STUB = [False]  # stub_launches() is active
 
 
 _no_stream = abs  # stubbed launches: a builtin as cheap as the CUDA query (its value is not read)
+# a stubbed launch's kept launcher: a builtin that takes any positional arguments and ignores them (a Python
+# function would add a frame that a real launch, a call into the compiled launcher, does not have)
+_no_launch = ''.format
 
 
 class Launcher:
@@ -93,6 +96,8 @@ def direct(kernel, compiled, nargs: int, consts: dict, device):
         return None
     if not launcher_fits(run):
         return None
+    if isinstance(compiled, _StubCompiled):
+        run = _no_launch
     # the current stream, as triton's driver asks it
     stream = torch._C._cuda_getCurrentRawStream if device >= 0 else _no_stream
     return (run, function, packed, tail, device, runtime, enter, leave, stream, dict(consts))

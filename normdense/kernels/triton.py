@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from .activations import act_args
-from .backend import Statistics, StatsRequest, compile_errors, device_guard
+from .backend import Statistics, StatsRequest, compile_errors, device_guard, ncl
 from .common import FINISH_BLOCK, acc_dtype, cdiv, cl_blocks, hi_lo
 from .first_stage import FirstStage
 from .launch import launcher
@@ -45,16 +45,35 @@ def split_for(rows: int, length: int, block: int, split=None):
     return cdiv(length, chunk), chunk
 
 
+_CL_FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
+def _cl_contiguous(t: torch.Tensor) -> bool:
+    """t (N, C, *positions) lies in memory as (N, *positions, C): (N, C, L) viewed from (N, L, C), a
+    channels_last map (N, C, H, W) or a channels_last_3d one."""
+    if t.dim() == 3:
+        return t.transpose(1, 2).is_contiguous()
+    fmt = _CL_FORMATS.get(t.dim())
+    return fmt is not None and t.is_contiguous(memory_format=fmt)
+
+
+def _to_cl(t: torch.Tensor) -> torch.Tensor:
+    """t copied into the (N, *positions, C) layout (t 3-, 4- or 5-dimensional)."""
+    if t.dim() == 3:
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    return t.contiguous(memory_format=_CL_FORMATS[t.dim()])
+
+
 def channels_last(x3: torch.Tensor) -> bool:
-    """x3 (N, C, L) is a channels_last map viewed as (N, C, HW) (and not also contiguous)."""
-    return not x3.is_contiguous() and x3.transpose(1, 2).is_contiguous()
+    """x3 (N, C, *positions) is channels-last (``_cl_contiguous``) and not also contiguous."""
+    return not x3.is_contiguous() and _cl_contiguous(x3)
 
 
 def read_layout(x3: torch.Tensor):
     """(x3 as the passes read it, channels_last): x3 itself if NCL or CL, else a contiguous copy."""
     if x3.is_contiguous():
         return x3, False
-    if x3.transpose(1, 2).is_contiguous():
+    if _cl_contiguous(x3):
         return x3, True
     return x3.contiguous(), False
 
@@ -68,8 +87,7 @@ def like(t: torch.Tensor, x3: torch.Tensor, cl=None) -> torch.Tensor:
     """t (x3's shape) in x3's layout: dy as the passes read it alongside x3 (a copy only if it differs);
     ``cl``: x3's layout, if known."""
     if channels_last(x3) if cl is None else cl:
-        return t if channels_last(t) or t.transpose(1, 2).is_contiguous() else \
-            t.transpose(1, 2).contiguous().transpose(1, 2)
+        return t if _cl_contiguous(t) else _to_cl(t)
     return t.contiguous()
 
 
@@ -82,6 +100,9 @@ class Geometry(NamedTuple):
     v: int
     cl: bool
     small: bool
+    n: int  # x3's (N, C, L): the launches' integers
+    c: int
+    length: int
 
 
 _GEOMETRY = {}  # (N, C, L, CL, x3's dtype, narrowest element size, split) -> Geometry: once per shape
@@ -103,16 +124,17 @@ def _geometry(n, c, length, cl, dtype, narrowest, split):
         block_c, block = cl_blocks(c, dtype.itemsize)
         groups = n * cdiv(c, block_c)
         split, chunk = split_for(groups, length, block, split)
-        return Geometry((groups, split, 1), chunk, block, block_c, vec if c % vec == 0 else 1, True, False)
+        return Geometry((groups, split, 1), chunk, block, block_c, vec if c % vec == 0 else 1, True, False, n, c,
+                        length)
     block = block_for(dtype)
     split, chunk = split_for(n * c, length, block, split)
     vec = vec if (n * c * length) % vec == 0 else 1
-    return Geometry((n * c, split, 1), chunk, block, 1, vec, False, length < vec)
+    return Geometry((n * c, split, 1), chunk, block, 1, vec, False, length < vec, n, c, length)
 
 
 def _geom(x3, cl, other, split=None):
     """The geometry of a pass over x3 with the activation tensor ``other`` (y or dy): one dict lookup."""
-    n, c, length = x3.shape
+    n, c, length = ncl(x3)
     size = x3.dtype.itemsize
     if other.dtype.itemsize < size:
         size = other.dtype.itemsize
@@ -126,7 +148,7 @@ def _geom(x3, cl, other, split=None):
 def _plan(x3: torch.Tensor, *others, split=None):
     """Launch geometry of a pass over x3 (read layout) with the activation tensors ``others`` (dy, y):
     dict(grid, CHUNK and the constexprs BLOCK, BLOCK_C, V, CL[, SMALL]); ``split``: as :func:`split_for`."""
-    n, c, length = x3.shape
+    n, c, length = ncl(x3)
     size = min([x3.dtype.itemsize] + [t.dtype.itemsize for t in others])
     g = geometry(n, c, length, channels_last(x3), x3.dtype, size, split)
     return dict(grid=g.grid[:2], CHUNK=g.chunk, BLOCK=g.block, BLOCK_C=g.block_c, V=g.v, CL=g.cl, SMALL=g.small)
@@ -138,11 +160,13 @@ def moment_partials(x3: torch.Tensor, split=None, key=None):
     ``split`` (here and below): the chunks per row, as :func:`split_for`; ``key`` (here and below): the
     engine's launch-cache prefix (``launch.Launcher``), or None."""
     x3, cl = read_layout(x3)
-    return _moment_partials(x3, cl, split, key)
+    part, g = _moment_partials(x3, cl, split, key)
+    return part, g.grid[1], g.chunk
 
 
 def _moment_partials(x3, cl, split=None, key=None):
-    n, c, length = x3.shape
+    """(partials, the pass's :class:`Geometry`: the other passes' too where y and dy have x3's dtype)."""
+    n, c, length = ncl(x3)
     g = _geom(x3, cl, x3, split)
     # new_empty with integers: a tuple or a dtype keyword costs the host twice as much
     part = x3.new_empty(g.grid[1], 2, n * c) if x3.dtype == torch.float32 or x3.dtype == torch.float64 else \
@@ -151,7 +175,7 @@ def _moment_partials(x3, cl, split=None, key=None):
     if key is None or not _MOMENTS.hit(g.grid, args, key):
         _MOMENTS.launch(g.grid, args, {'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v, 'CL': cl,
                                        'ACC': acc_dtype(x3.dtype)}, key)
-    return part, g.grid[1], g.chunk
+    return part, g
 
 
 _ACTS = {}  # id(Activation) -> (activation, its kernel arguments): one Activation object per configuration
@@ -180,7 +204,8 @@ def apply(x3, m, v, coeffs, act=None, out_dtype=None, write=None, nbt=None, spli
     return _apply(x3, cl, m, v, coeffs, _act(act), out_dtype, write, nbt, split, key)
 
 
-def _apply(x3, cl, m, v, coeffs, act, out_dtype, write, nbt, split=None, key=None, out=None):
+def _apply(x3, cl, m, v, coeffs, act, out_dtype, write, nbt, split=None, key=None, out=None, g=None):
+    """``g``: the moments pass's geometry, for a y of x3's dtype (else computed here)."""
     act_id = act[0]
     if out is not None:  # the engine's (x3's shape and layout, out_dtype)
         y = out
@@ -188,11 +213,12 @@ def _apply(x3, cl, m, v, coeffs, act, out_dtype, write, nbt, split=None, key=Non
         y = torch.empty_like(x3)
     else:
         y = torch.empty_like(x3, dtype=out_dtype)
-    g = _geom(x3, cl, y, split)
+    if g is None or y.dtype != x3.dtype:
+        g = _geom(x3, cl, y, split)
     a, b = coeffs[0], coeffs[1]
     k, l_ = (coeffs[2], coeffs[3]) if act_id >= 0 else (a, b)
     upd, rm, rv = write if write is not None else (m, m, m)
-    args = (x3, y, m, v, a, b, k, l_, upd, rm, rv, m if nbt is None else nbt, x3.shape[1], x3.shape[2], g.chunk,
+    args = (x3, y, m, v, a, b, k, l_, upd, rm, rv, m if nbt is None else nbt, g.c, g.length, g.chunk,
             int(write is not None), int(nbt is not None), act[1], act[2], act[3], act[4])
     if key is None or not _APPLY.hit(g.grid, args, key):
         _APPLY.launch(g.grid, args, {'ACT': act_id, 'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v, 'SMALL': g.small,
@@ -212,11 +238,13 @@ def sums(x3, dy, m, v, coeffs, act=None, merged=True, split=None, key=None):
     return out if merged else out.unbind(1)
 
 
-def _sums(x3, cl, dy, m, v, coeffs, act, merged=True, split=None, key=None):
-    n, c, length = x3.shape
+def _sums(x3, cl, dy, m, v, coeffs, act, merged=True, split=None, key=None, g=None):
+    """``g``: as :func:`_apply`'s, for a dy of x3's dtype."""
     act_id = act[0]
     count = 2 if act_id < 0 else 4
-    g = _geom(x3, cl, dy, split)
+    if g is None or dy.dtype != x3.dtype:
+        g = _geom(x3, cl, dy, split)
+    n, c, length = g.n, g.c, g.length
     split = g.grid[1]
     part = m.new_empty(split, count, n, c)
     a, b = coeffs[0], coeffs[1]
@@ -251,12 +279,12 @@ def dx(x3, dy, m, v, coeffs, dm, dv, gsum, act=None, batch=None, finish=None, sp
 
 
 def _dx(x3, cl, dy, m, v, coeffs, dm, dv, gsum, act, batch=None, finish=None, split=None,
-        finish_block=FINISH_BLOCK.value, key=None):
+        finish_block=FINISH_BLOCK.value, key=None, g=None):
+    """``g``: as :func:`_apply`'s, for a dy of x3's dtype."""
     act_id = act[0]
-    # dy in x's shape (the engine's, NCL-contiguous): dx in it too, not viewed back by the engine
-    out = torch.empty_like(x3) if dy.dim() == 3 else \
-        torch.empty_like(dy) if dy.dtype == x3.dtype else torch.empty_like(dy, dtype=x3.dtype)
-    g = _geom(x3, cl, dy, split)
+    out = torch.empty_like(x3)  # x3's shape (the engine's: x's), dtype and layout
+    if g is None or dy.dtype != x3.dtype:
+        g = _geom(x3, cl, dy, split)
     a, b = coeffs[0], coeffs[1]
     k = coeffs[2] if act_id >= 0 else a
     mean, dmean, dvar, scale = batch if batch is not None else (m, m, m, 0.0)
@@ -269,7 +297,7 @@ def _dx(x3, cl, dy, m, v, coeffs, dm, dv, gsum, act, batch=None, finish=None, sp
     bsplit, bstride = (dmean.shape[0], dmean.stride(0)) if batch is not None and dmean.dim() == 2 else (1, 0)
     src, dst, fin_p, fin_sb, fin_stride = finish.dx_args(g.grid[0], finish_block) if finish is not None else \
         (m, m, 0, 1, 0)
-    args = (x3, dy, out, m, v, a, b, k, dm, dv, gsum, mean, dmean, dvar, src, dst, x3.shape[1], x3.shape[2], g.chunk,
+    args = (x3, dy, out, m, v, a, b, k, dm, dv, gsum, mean, dmean, dvar, src, dst, g.c, g.length, g.chunk,
             goff, gsplit, gstride, bsplit, bstride, fin_p, fin_sb, fin_stride, *hi_lo(scale), act[1], act[2], act[3],
             act[4])
     if key is None or not _DX.hit(g.grid, args, key):
@@ -300,9 +328,10 @@ class TritonBackend:
         if not x3.is_contiguous():
             x3, cl = read_layout(x3)
         r = request
-        partials, split, chunk = _moment_partials(x3, cl, None, r.key)
-        plan = FirstStage(partials, split, chunk, x3.shape, r.mode, r.stat_mean, r.stat_var, r.base, r.rate,
-                          r.momentum, r.write, r.nbt, r.key)
+        partials, g = _moment_partials(x3, cl, None, r.key)
+        plan = FirstStage(partials, g.grid[1], g.chunk, (g.n, g.c, g.length), r.mode, r.stat_mean, r.stat_var,
+                          r.base, r.rate, r.momentum, r.write, r.nbt, r.key)
+        plan.geometry = g  # the later passes' where y and dy have x3's dtype
         m, v, mean, var, moved, upd = plan.outputs if deferred else plan.launch()
         return x3, Statistics(m, v, mean, var, moved, upd, plan if deferred else None, None, request)
 
@@ -315,16 +344,17 @@ class TritonBackend:
         pc = coeffs if stats.plan is not None else TritonBackend.prepare(coeffs, stats.v)  # kernel maps' own
         request = stats.request
         write = None if stats.update is None else (stats.update, request.stat_mean, request.stat_var)
+        first = stats.plan
         return _apply(x3, not x3.is_contiguous(), stats.m, stats.v, pc, act or _NO_ACT, out_dtype, write,
-                      request.nbt, key=request.key, out=out), pc
+                      request.nbt, key=request.key, out=out, g=None if first is None else first.geometry), pc
 
     @staticmethod
     def grad_layout(dy, x3):
-        """dy (in x's shape) in x3's layout, in whatever dtype it came (the kernels read it as it is: no cast
-        pass). For an (N, C, L)-contiguous x3 dy stays in x's shape, contiguous (the same memory; no view)."""
+        """dy (in x3's shape: x's) in x3's layout, in whatever dtype it came (the kernels read it as it is: no
+        cast pass)."""
         if x3.is_contiguous():
             return dy.contiguous()
-        return like(dy.reshape(x3.shape), x3, True)
+        return dy if _cl_contiguous(dy) else _to_cl(dy)
 
     @staticmethod
     def sums(x3, dy, stats: Statistics, pc, act=None, merged=True):
@@ -332,18 +362,19 @@ class TritonBackend:
         (SPLIT, count, N, C) buffer, which the layers' Triton VJP kernels and dx add as they load them."""
         key = _dy_key(stats.request.key, dy)
         # the state for dx: whether the VJP was torch's (merged sums; its dm, dv may be strided), dy's launch key
-        return _sums(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, act or _NO_ACT, merged, key=key), \
-            (merged, key)
+        g = None if stats.plan is None else stats.plan.geometry  # the forward's: x3 and the engine keep the plan
+        return _sums(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, act or _NO_ACT, merged, key=key, g=g), \
+            (merged, key, g)
 
     @staticmethod
     def dx(x3, dy, stats: Statistics, pc, dm, dv, grads, act=None, batch=None, state=None, pending=None):
         """dx; ``grads``: what :meth:`sums` returned (the kernel's buffer as it is: no view of sum_l g);
         ``pending``: a layer VJP's ``common.BlockSums`` (large N), summed in this launch."""
-        merged, key = state
+        merged, key, g = state
         if merged:  # the torch VJP's dm, dv (the kernel maps' are contiguous) and merged sums
             dm, dv, grads = dm.contiguous(), dv.contiguous(), grads[1]
         return _dx(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, dm, dv, grads, act or _NO_ACT, batch, pending,
-                   key=key)
+                   key=key, g=g)
 
     @staticmethod
     def act_form(act):

@@ -72,16 +72,17 @@ def in_backward() -> bool:
 class _Iteration:
     """One training iteration of one layer: the estimates (2, C) it started from, r (read once), the summed
     moments of its calls so far, and (with sync) each call's local and all-reduced sums for a recomputation."""
+    __slots__ = ('token', 'base', 'rate', 'total', 'local', 'synced')
 
     def __init__(self, token, base, rate):
         self.token, self.base, self.rate = token, base, rate
         self.total = None  # (moments (2, C), count) of the calls so far
-        self.local, self.synced = [], []
+        self.local = self.synced = None  # lists, made by the first all-reduce (sync only)
 
     def synced_sums(self, local):
         """The all-reduced sums of the forward call whose local sums a recomputation repeats: on the device, no
         collective, no host sync."""
-        if not self.local:
+        if not self.local:  # None (no all-reduce yet) or empty
             raise RuntimeError('an estimate-mode layer is recomputed in backward but was not called in this '
                                "iteration's forward")
         index = (torch.stack(self.local) - local).abs().sum(1).argmin()
@@ -103,7 +104,7 @@ class Estimates:
         """(this iteration's state, whether this call is a recomputation), opened on the iteration's first call;
         ``deferred``: the backend's first stage fills ``base`` and counts num_batches_tracked (no launch here)."""
         st = self.iteration
-        if in_backward():  # a recomputation: the forward's iteration
+        if _TASK_ID is not None and _TASK_ID() != -1:  # in_backward(), inlined: a recomputation
             if st is None:
                 raise RuntimeError('an estimate-mode layer is recomputed in backward but was not called in '
                                    "this iteration's forward")
@@ -150,6 +151,8 @@ class Estimates:
             return unpack(st.synced_sums(local))
         synced = local.clone()
         dist.all_reduce(synced)
+        if st.local is None:
+            st.local, st.synced = [], []
         st.local.append(local)
         st.synced.append(synced)
         return unpack(synced)

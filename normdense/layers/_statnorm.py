@@ -29,7 +29,7 @@ from ..kernels.backend import HALF as _HALF
 from ..kernels.launch import stubbed
 from ..kernels import resolve
 from ..kernels.backend import (STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, PendingSums, Statistics, StatsRequest,
-                               autocast_on, check_backend, exporting, give_up_triton, tracked)
+                               autocast_on, check_backend, exporting, give_up_triton, ncl, tracked)
 from ._distributed import synced_batch_moments, synced_batch_moments_vjp
 from ._estimate import _TASK_ID, Estimates, in_backward, mark_iteration, mark_on_backward
 
@@ -370,42 +370,44 @@ class StatNorm2d(nn.Module):
         """y in x's shape, a tensor of its own (not a view: a residual ``+=`` modifies it in place): the first
         stage, the coefficient map, the output pass; with ``ctx`` (the Function's) what the backward needs."""
         shape = x.shape
-        x3 = view = x.reshape(shape[0], shape[1], -1)
+        # the kernel maps' backend takes x as it is (an (N, C, L) view costs a step ~4 us), ATen the view
+        x3 = view = x if plan.direct else x.reshape(shape[0], shape[1], -1)
         if plan.convert:
             x3 = view = x3.to(plan.cd)  # e.g. float32 x with float64 parameters
         key = None
         if plan.device is not None:
             key = _launch_key(plan.device, plan.serial, x3, params)
-        x3, stats, kind, count, step = self._first_stage(plan.backend, x3, key, synced)
+        n, _, length = ncl(x)
+        x3, stats, kind, count, step = self._first_stage(plan.backend, x3, key, synced, n * length)
         kernel = plan.backend.kernel_maps and kind != 'synced'  # the kernel maps take no all-reduced count
         call = _Call(plan, plan.maps if kernel else plan.torch_maps, kernel, kind, count, self.backend,
                      self.mode == 'estimate' and self.training)
         if stats.plan is None:
-            coeffs, res = call.maps[0](stats.m, stats.v, stats.mean, stats.var, params, x3.shape[2], count)
+            coeffs, res = call.maps[0](stats.m, stats.v, stats.mean, stats.var, params, length, count)
         else:  # the planned first stage runs in the map's launch
-            coeffs, res = call.maps[0](stats.m, stats.v, stats.mean, stats.var, params, x3.shape[2], count,
+            coeffs, res = call.maps[0](stats.m, stats.v, stats.mean, stats.var, params, length, count,
                                        first=stats.plan)
         y4 = out = None
-        if plan.direct and x3 is view:  # the output in x's shape and layout (x's memory layout is x3's): no view
+        if plan.direct and x3 is view:  # the output in x's shape and layout (x3 is x, or x converted)
             y4 = out = torch.empty_like(x) if plan.out_dtype == x.dtype else \
                 torch.empty_like(x, dtype=plan.out_dtype)
         y, pc = plan.backend.apply(x3, stats, coeffs, plan.act, plan.out_dtype, out)
         if ctx is not None:
             ctx.save_for_backward(x3)  # x only: channel-sized tensors are kept as attributes
             ctx.call, ctx.res, ctx.params, ctx.pc, ctx.shape = call, res, params, pc, shape
-            # without the update, the planned stage and the output storage (not kept alive)
-            ctx.stats = Statistics(stats.m, stats.v, stats.mean, stats.var, stats.moved, None, None, None,
-                                   stats.request)
+            # without the output storage (not kept alive); a planned stage stays (channel-sized, and its geometry)
+            ctx.stats = stats if stats.out is None else \
+                Statistics(stats.m, stats.v, stats.mean, stats.var, stats.moved, None, None, None, stats.request)
         if step is not None:  # after the kernels: the iteration's total
             it, buffers = step
-            self._estimates.end(it, stats.moved, x3.shape[0] * x3.shape[2], buffers)
+            self._estimates.end(it, stats.moved, n * length, buffers)
         if out is not None and y is out:
             return y4
-        return y if len(shape) == 3 else _reshaped_base(y, shape)
+        return y if y.dim() == len(shape) else _reshaped_base(y, shape)
 
-    def _first_stage(self, be, x3, key=None, synced=False):
+    def _first_stage(self, be, x3, key=None, synced=False, count=None):
         """(x3 as the backend reads it, :class:`Statistics`, kind, count, (the open iteration, the buffers) to close
-        after the kernels or None)."""
+        after the kernels or None); ``count``: x3's values per channel, N L."""
         if not self._FIRST_STAGE:
             return (*be.first_stage(x3, StatsRequest(key=key)), 'none', None, None)
         if key is not None:  # the first stage's mode fixes the rest of the kernels' specializations
@@ -417,9 +419,8 @@ class StatNorm2d(nn.Module):
         estimate = self.mode == 'estimate'
         if synced and (estimate or self._SYNC_BATCH):  # the collectives read m, v now
             x3, st = be.first_stage(x3, StatsRequest(key=key and key + ('synced', )), deferred=False)
-            kind, mean, var, count = self._synced_stats(st.m, st.v, x3.shape[2])
+            kind, mean, var, count = self._synced_stats(st.m, st.v, count // x3.shape[0])
             return x3, st._replace(mean=mean, var=var), kind, count, None
-        count = x3.shape[0] * x3.shape[2]
         if estimate:  # Algorithm 1, once per iteration
             it, backward = self._estimates.begin((rm, rv, nbt), self._rate, deferred=True)
             first = it.total is None and not backward
@@ -453,7 +454,7 @@ class _OpContext:
 
 
 def _backward(ctx, x3, dy):
-    """(dx, dparams) for dy in x3's shape and dtype."""
+    """(dx, dparams) for dy in x3's shape and dtype (x3: (N, C, L), or x itself on the kernel maps' backend)."""
     call, stats, pc = ctx.call, ctx.stats, ctx.pc
     be, act = call.plan.backend, call.plan.act
     grads, state = be.sums(x3, dy, stats, pc, act, not call.kernel_maps)
@@ -468,7 +469,7 @@ def _backward(ctx, x3, dy):
             dmean, dvar = pending.finish()
             pending = None
     if call.kind == 'synced':  # every process joins the VJP's all-reduces, whether it needs dx or not
-        dm, dv = synced_batch_moments_vjp(stats.m, stats.mean, call.count, x3.shape[2], dm, dv, dmean, dvar)
+        dm, dv = synced_batch_moments_vjp(stats.m, stats.mean, call.count, ncl(x3)[2], dm, dv, dmean, dvar)
     dx = None
     if ctx.needs_input_grad[0]:
         batch = (stats.mean, dmean, dvar, 1.0 / x3.shape[0]) if call.kind == 'batch' else None
@@ -501,7 +502,8 @@ def _backward_or_fallback(ctx, dy):
         return _backward(ctx, x3, dy)
     except plan.errors as e:
         give_up_triton(call.option, e)
-        n, c, length = x3.shape
+        n, c, length = ncl(x3)
+        x3 = x3.reshape(n, c, length)  # the Triton path's x3 may be x itself
         aten = plan._replace(backend=AtenBackend, errors=(), maps=plan.torch_maps, device=None, cuda=None,
                              autocast=True, direct=False, act=plan.activation)
         ctx.call = call = call._replace(plan=aten, maps=plan.torch_maps, kernel_maps=False)
