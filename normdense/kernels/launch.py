@@ -53,12 +53,12 @@ class Launcher:
         d = self.cache.get(key)
         if d is None:
             return False
-        run, runtime, enter, leave = d[0], d[5], d[6], d[7]
+        run, function, packed, tail, device, runtime, enter, leave, stream, consts = d
         if runtime.launch_enter_hook is not enter or enter.calls or runtime.launch_exit_hook is not leave \
                 or leave.calls:  # a hook now (a profiler): the launch that calls it
-            self.kernel[grid](*args, **d[9])
+            self.kernel[grid](*args, **consts)
             return True
-        run(grid[0], grid[1], grid[2], d[8](d[4]), d[1], d[2], None, None, None, *args, *d[3])
+        run(grid[0], grid[1], grid[2], stream(device), function, packed, None, None, None, *args, *tail)
         return True
 
     def __call__(self, grid, args, consts, key=None):

@@ -31,7 +31,7 @@ from ..kernels import resolve
 from ..kernels.backend import (STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, PendingSums, Statistics, StatsRequest,
                                autocast_on, check_backend, exporting, give_up_triton, ncl, tracked)
 from ._distributed import synced_batch_moments, synced_batch_moments_vjp
-from ._estimate import _TASK_ID, Estimates, in_backward, mark_iteration, mark_on_backward
+from ._estimate import _TASK_ID, _TOKEN, Estimates, in_backward, mark_iteration, mark_on_backward
 
 _DIST = dist.is_available()
 _unwrap_if_dead = getattr(getattr(torch._C, '_functorch', None), 'unwrap_if_dead', None)
@@ -80,10 +80,10 @@ class _Call(NamedTuple):  # a NamedTuple: a frozen dataclass's __init__ costs 3x
 _SERIAL = itertools.count()
 
 
-def _launch_key(device, serial, x3, params):
+def _launch_key(device, serial, x3, params, mode=()):
     """The call's launch-cache key (``kernels/launch.py``): what fixes every kernel's specialization besides the
     plan (the configuration, the buffers' dtypes) and the first stage's mode: x's shape, strides and dtype and the
-    parameters' dtypes. None where x or a parameter is not 16-byte aligned (the kept kernels assume the
+    parameters' dtypes, then ``mode`` (the first stage's). None where x or a parameter is not 16-byte aligned (the kept kernels assume the
     alignment the first launch saw; what the engine allocates is aligned, and so are buffers, which it never
     replaces by views)."""
     if x3.data_ptr() & 15:
@@ -96,7 +96,7 @@ def _launch_key(device, serial, x3, params):
             return None
         else:
             key += (t.dtype, )
-    return key
+    return key + mode
 
 
 class StatNorm2d(nn.Module):
@@ -376,7 +376,9 @@ class StatNorm2d(nn.Module):
             x3 = view = x3.to(plan.cd)  # e.g. float32 x with float64 parameters
         key = None
         if plan.device is not None:
-            key = _launch_key(plan.device, plan.serial, x3, params)
+            # the first stage's mode fixes the rest of the kernels' specializations
+            key = _launch_key(plan.device, plan.serial, x3, params, (self.training, self.mode, self.sync_stats,
+                                                                     self.momentum is None) if self._FIRST_STAGE else ())
         n, _, length = ncl(x)
         x3, stats, kind, count, step = self._first_stage(plan.backend, x3, key, synced, n * length)
         kernel = plan.backend.kernel_maps and kind != 'synced'  # the kernel maps take no all-reduced count
@@ -410,8 +412,6 @@ class StatNorm2d(nn.Module):
         after the kernels or None); ``count``: x3's values per channel, N L."""
         if not self._FIRST_STAGE:
             return (*be.first_stage(x3, StatsRequest(key=key)), 'none', None, None)
-        if key is not None:  # the first stage's mode fixes the rest of the kernels' specializations
-            key = key + (self.training, self.mode, bool(self.sync_stats), self.momentum is None)
         b = self._buffers
         rm, rv, nbt = b['running_mean'], b['running_var'], b.get('num_batches_tracked')
         if not self.training:
@@ -540,7 +540,7 @@ class _StatNormFn(torch.autograd.Function):
 def _plain_backward(ctx, dy):
     dx, dparams = _backward_or_fallback(ctx, dy)
     if ctx.call.ends_iteration:  # gradients flowed back through an estimate-mode layer: the iteration ends
-        mark_iteration()
+        _TOKEN[0] += 1  # mark_iteration(), inlined
     if dx is not None and dx.dim() != len(ctx.shape):  # dx in x3's shape (the Triton passes write x's)
         dx = dx.view(*ctx.shape)
     return (dx, None, None, None, *dparams)

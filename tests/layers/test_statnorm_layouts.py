@@ -1,6 +1,7 @@
 """BCN, GN+PN and Unitization on inputs that are not NCHW-contiguous: channels_last (AMP training, mmcv's
 ``channels_last`` option) and the permuted views a transformer backbone hands a CNN decode head (SegFormer's
-tokens -> NCHW). Forward and gradients equal those of the contiguous input, in float64."""
+tokens -> NCHW) and maps with H and W swapped in memory (neither layout: the Triton passes read a copy). Forward and
+gradients equal those of the contiguous input, in float64, on both backends."""
 import pytest
 import torch
 
@@ -17,12 +18,14 @@ LAYERS = {
 def _layouts(x):
     return {'channels_last': x.contiguous(memory_format=torch.channels_last),
             'permuted': x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2),
+            'transposed': x.transpose(2, 3).contiguous().transpose(2, 3),
             'strided': torch.cat([x, x], dim=3)[..., :x.shape[3]]}
 
 
 @pytest.mark.parametrize('name', list(LAYERS))
 @pytest.mark.parametrize('training', [True, False])
-def test_non_contiguous_input_equals_contiguous(name, training):
+@pytest.mark.parametrize('backend', ['aten', 'triton'])
+def test_non_contiguous_input_equals_contiguous(name, training, backend):
     torch.manual_seed(0)
     x = torch.randn(2, 16, 5, 6, dtype=torch.float64)
     w = torch.randn(2, 16, 5, 6, dtype=torch.float64)
@@ -31,6 +34,7 @@ def test_non_contiguous_input_equals_contiguous(name, training):
     for layout, xi in [('contiguous', x)] + list(_layouts(x).items()):
         torch.manual_seed(1)
         layer = LAYERS[name]().double().train(training)
+        layer.backend = backend
         if training:
             set_update_rate(layer, 0.1)
         xi = xi.detach().requires_grad_()
