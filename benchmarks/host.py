@@ -16,8 +16,9 @@ the output and the gradients alone cost). Two forms of the step, timed interleav
 after it (a training loop's: a contiguous dy, no accumulation).
 
 On a machine without a GPU the Triton backend runs on CPU tensors with Triton's interpreter, and every launch is
-stubbed at one point, ``normdense.kernels.launch.stub_launches``: the compiled kernel's launcher is a no-op,
-so everything above the driver call is measured (the launch cache's lookup included), nothing below.
+stubbed at one point, ``normdense.kernels.launch.stub_launches``: the compiled kernel's launcher is a no-op (a C
+builtin that ignores its arguments, as cheap to call as a real launcher's entry), so everything above the driver
+call is measured (the launch cache's lookup included), nothing below.
 
 Targets (the Triton rows, ``sum`` form): <= 2.0x nn.GroupNorm's time and <= 200 Python calls per forward+backward.
 """

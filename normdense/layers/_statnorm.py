@@ -15,12 +15,10 @@ Calls go one way: the layer's forward calls the engine once, the engine asks the
 """
 import contextlib
 import itertools
-import math
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from ..errors import ExportError
 from ..kernels import backend as _backend
@@ -29,9 +27,10 @@ from ..kernels.backend import HALF as _HALF
 from ..kernels.launch import stubbed
 from ..kernels import resolve
 from ..kernels.backend import (STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, PendingSums, Statistics, StatsRequest,
-                               autocast_on, check_backend, exporting, give_up_triton, ncl, tracked)
+                               autocast_on, exporting, give_up_triton, ncl)
 from ._distributed import synced_batch_moments, synced_batch_moments_vjp
-from ._estimate import _TASK_ID, _TOKEN, Estimates, in_backward, mark_iteration, mark_on_backward
+from ._estimate import _TASK_ID, _TOKEN, in_backward, mark_iteration, mark_on_backward
+from ._statnorm_state import StatNormState
 
 _DIST = dist.is_available()
 _unwrap_if_dead = getattr(getattr(torch._C, '_functorch', None), 'unwrap_if_dead', None)
@@ -82,8 +81,8 @@ _SERIAL = itertools.count()
 
 def _launch_key(device, serial, x3, params, mode=()):
     """The call's launch-cache key (``kernels/launch.py``): what fixes every kernel's specialization besides the
-    plan (the configuration, the buffers' dtypes) and the first stage's mode: x's shape, strides and dtype and the
-    parameters' dtypes, then ``mode`` (the first stage's). None where x or a parameter is not 16-byte aligned (the kept kernels assume the
+    plan (the configuration, the buffers' dtypes): x's shape, strides and dtype, the parameters' dtypes, then
+    ``mode`` (the first stage's). None where x or a parameter is not 16-byte aligned (the kept kernels assume the
     alignment the first launch saw; what the engine allocates is aligned, and so are buffers, which it never
     replaces by views)."""
     if x3.data_ptr() & 15:
@@ -99,8 +98,9 @@ def _launch_key(device, serial, x3, params, mode=()):
     return key + mode
 
 
-class StatNorm2d(nn.Module):
-    """Base class of BCN, GN+PN and Unitization: their flags, buffers, dtype policy, ``forward`` and the engine.
+class StatNorm2d(StatNormState):
+    """Base class of BCN, GN+PN and Unitization: ``forward`` and the engine, on their flags, buffers and dtype
+    policy (:class:`StatNormState`, ``_statnorm_state.py``).
 
     ``forward`` (as torch's ``_BatchNorm.forward``) checks the input (``_check_input``), runs the modules of the
     layer's inference form (``eval_form()``, ``layers/eval_form.py``) while a graph is recorded for export, the
@@ -115,19 +115,7 @@ class StatNorm2d(nn.Module):
 
     ``mean, var``: (C,) or None; ``count``: the values per channel behind batch statistics (an int, a tensor
     when all-reduced) or None; dmean, dvar only when ``wants_stats``.
-
-    Buffers (not GN+PN's): ``running_mean``, ``running_var`` (estimates in estimate mode) and
-    ``num_batches_tracked`` (iterations in estimate mode, calls in batch mode; 0 when a version-1 checkpoint
-    lacks it, as torch's BatchNorm loads its old versions).
-
-    Dtype policy: statistics in float32 (float64 where x or a parameter is; never fp16/bf16: sums over positions
-    overflow or round away); y in x's dtype under autocast too, as nn.BatchNorm2d (nn.GroupNorm writes float32);
-    estimates stay float32 under ``model.half()`` (an r-sized update is below bf16's resolution).
     """
-    _FIRST_STAGE = True  # per-channel statistics before the map (GN+PN: none)
-    _SYNC_BATCH = False  # batch-mode statistics all-reduced with sync_stats (BCN)
-    _ESTIMATE_BUFFERS = ('running_mean', 'running_var')  # float32 under .half() in estimate mode
-    _version = 2  # 2: num_batches_tracked for every layer with a first stage (BCN's checkpoints of 1 lack it)
 
     def __new__(cls, *args, **kwargs):
         layer = super().__new__(cls)
@@ -145,92 +133,12 @@ class StatNorm2d(nn.Module):
         super().__setstate__(state)
         self.__dict__['_plans'] = {}  # checkpoints and copies pickled before plans existed have none
 
-    def _init_statnorm(self, num_features: int, mode: Optional[str], sync_stats: bool, fused: bool,
-                       backend: Optional[str], momentum=None) -> None:
-        self.mode, self.sync_stats, self.momentum = mode, bool(sync_stats), momentum
-        self.fused = bool(fused)
-        self.backend = check_backend(backend, f'{type(self).__name__} backend')
-        self._estimates = Estimates()
-        if self._FIRST_STAGE:  # 'batch': eval statistics; 'estimate': the estimates mu_hat, sigma_hat^2
-            self.register_buffer('running_mean', torch.zeros(num_features))
-            self.register_buffer('running_var', torch.ones(num_features))
-            self.register_buffer('num_batches_tracked', torch.tensor(0, dtype=torch.long))
-
-    def _reset_statnorm_buffers(self) -> None:
-        self.running_mean.zero_()
-        self.running_var.fill_(1.0)
-        self.num_batches_tracked.zero_()
-
-    def _buffers3(self):
-        b = self._buffers
-        return b['running_mean'], b['running_var'], b.get('num_batches_tracked')
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
-        self._estimates.reset()  # new estimates: the next call starts a new iteration from them
-        key = prefix + 'num_batches_tracked'
-        if self._FIRST_STAGE and local_metadata.get('version', 1) < 2 and key not in state_dict:
-            state_dict[key] = torch.tensor(0, dtype=torch.long)  # as torch's _NormBase for its version 1
-        return super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
-
     def _apply(self, fn, *args, **kwargs):
         self.__dict__['_plans'] = {}  # new dtypes or devices
-        if '_estimates' in self.__dict__:  # its tensors stay behind: start anew from the moved buffers
-            self._estimates.reset()
-        if getattr(self, 'mode', None) != 'estimate':
-            return super()._apply(fn, *args, **kwargs)
-        before = {n: self._buffers[n] for n in self._ESTIMATE_BUFFERS if self._buffers.get(n) is not None}
-        out = super()._apply(fn, *args, **kwargs)
-        for n, old in before.items():
-            new = self._buffers[n]
-            if new.dtype in _HALF:  # from the fp32 values: no rounding on the way
-                self._buffers[n] = old.detach().to(device=new.device, dtype=torch.float32)
-        return out
-
-    @staticmethod
-    def stat_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
-        """The compute dtype of statistics over ``tensors``: float64 if any is float64, else float32."""
-        for t in tensors:  # a loop, not any(generator)
-            if t is not None and t.dtype == torch.float64:
-                return torch.float64
-        return torch.float32
-
-    @staticmethod
-    def compute_input(x: torch.Tensor) -> torch.Tensor:
-        """x as the reference compositions compute on it: half inputs in float32, others as they are."""
-        return x.float() if x.dtype in _HALF else x
+        return super()._apply(fn, *args, **kwargs)
 
     def _statnorm_act(self):
         return None
-
-    def _output_dtype(self, x: torch.Tensor) -> torch.dtype:
-        return x.dtype
-
-    def _statnorm_dtypes(self, x: torch.Tensor) -> Tuple[torch.dtype, torch.dtype]:
-        """(compute dtype, output dtype) by the dtype policy."""
-        return self.stat_dtype(x, *self._statnorm_params()), self._output_dtype(x)
-
-    def _statnorm_repr(self) -> str:
-        return ('' if self.fused else ', fused=False') + (f', backend={self.backend!r}' if self.backend else '')
-
-    def estimates_from_input(self, x: torch.Tensor):
-        """This training call's estimates (mean, var) from x (N, C, ...): the reference compositions' first stage."""
-        with torch.no_grad():
-            xf = self.compute_input(x)
-            x3 = xf.reshape(xf.shape[0], xf.shape[1], math.prod(xf.shape[2:]))
-            if x3.numel():
-                v, m = torch.var_mean(x3, dim=2, correction=0)
-            else:  # no values (a RoI head without RoIs): a count of 0 below
-                m = v = x3.new_zeros(x3.shape[:2])
-            return self._estimates.estimates(m, v, x3.shape[2], self._buffers3(), self._rate, self.sync_stats)
-
-    def _track(self, mean: torch.Tensor, var: torch.Tensor, count) -> None:
-        """The running statistics after a batch of ``count`` values per channel (an int, or a tensor after an
-        all-reduce), outside the backends (the collective path, the reference compositions)."""
-        with torch.no_grad():
-            nbt = self._buffers.get('num_batches_tracked')
-            tracked(mean, var, count, self.momentum, nbt)(self.running_mean, self.running_var)
-            if nbt is not None:
-                nbt.add_(1)
 
     def _watch(self, y: torch.Tensor) -> torch.Tensor:
         """y, whose backward ends the iteration in estimate-mode training (the reference compositions; the engine's
@@ -377,8 +285,8 @@ class StatNorm2d(nn.Module):
         key = None
         if plan.device is not None:
             # the first stage's mode fixes the rest of the kernels' specializations
-            key = _launch_key(plan.device, plan.serial, x3, params, (self.training, self.mode, self.sync_stats,
-                                                                     self.momentum is None) if self._FIRST_STAGE else ())
+            mode = (self.training, self.mode, self.sync_stats, self.momentum is None) if self._FIRST_STAGE else ()
+            key = _launch_key(plan.device, plan.serial, x3, params, mode)
         n, _, length = ncl(x)
         x3, stats, kind, count, step = self._first_stage(plan.backend, x3, key, synced, n * length)
         kernel = plan.backend.kernel_maps and kind != 'synced'  # the kernel maps take no all-reduced count
