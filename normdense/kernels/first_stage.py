@@ -201,7 +201,7 @@ class FirstStage:
     # what the launches read on a miss or in the standalone kernel only: derived, not stored per call
     args = property(lambda self: self.fold[0])
     sizes = property(lambda self: self.fold[1:])
-    dtype = property(lambda self: self.fold[0][0].dtype)
+    dtype = property(lambda self: self.outputs[0].dtype)  # m's, the partials' dtype
     cumulative = property(lambda self: self.mode == STATS_BATCH and self.momentum is None)
     acc = property(lambda self: tl.float64 if self.dtype == torch.float64 else tl.float32)
 

@@ -345,8 +345,13 @@ class TritonBackend:
         request = stats.request
         write = None if stats.update is None else (stats.update, request.stat_mean, request.stat_var)
         first = stats.plan
-        return _apply(x3, not x3.is_contiguous(), stats.m, stats.v, pc, act or _NO_ACT, out_dtype, write,
-                      request.nbt, key=request.key, out=out, g=None if first is None else first.geometry), pc
+        if first is None:
+            return _apply(x3, not x3.is_contiguous(), stats.m, stats.v, pc, act or _NO_ACT, out_dtype, write,
+                          request.nbt, key=request.key, out=out), pc
+        y = _apply(x3, not x3.is_contiguous(), stats.m, stats.v, pc, act or _NO_ACT, out_dtype, write, request.nbt,
+                   key=request.key, out=out, g=first.geometry)
+        first.fold = None  # the map's launch ran it: the moments' partials go (the record may live to backward)
+        return y, pc
 
     @staticmethod
     def grad_layout(dy, x3):

@@ -72,7 +72,6 @@ def in_backward() -> bool:
 class _Iteration:
     """One training iteration of one layer: the estimates (2, C) it started from, r (read once), the summed
     moments of its calls so far, and (with sync) each call's local and all-reduced sums for a recomputation."""
-    __slots__ = ('token', 'base', 'rate', 'total', 'local', 'synced')
 
     def __init__(self, token, base, rate):
         self.token, self.base, self.rate = token, base, rate

@@ -305,7 +305,8 @@ class StatNorm2d(StatNormState):
         if ctx is not None:
             ctx.save_for_backward(x3)  # x only: channel-sized tensors are kept as attributes
             ctx.call, ctx.res, ctx.params, ctx.pc, ctx.shape = call, res, params, pc, shape
-            # without the output storage (not kept alive); a planned stage stays (channel-sized, and its geometry)
+            # without the output storage (not kept alive); a planned stage stays (its outputs, its geometry; the
+            # backend drops its partials once they are read)
             ctx.stats = stats if stats.out is None else \
                 Statistics(stats.m, stats.v, stats.mean, stats.var, stats.moved, None, None, None, stats.request)
         if step is not None:  # after the kernels: the iteration's total
@@ -315,7 +316,7 @@ class StatNorm2d(StatNormState):
             return y4
         return y if y.dim() == len(shape) else _reshaped_base(y, shape)
 
-    def _first_stage(self, be, x3, key=None, synced=False, count=None):
+    def _first_stage(self, be, x3, key, synced, count):
         """(x3 as the backend reads it, :class:`Statistics`, kind, count, (the open iteration, the buffers) to close
         after the kernels or None); ``count``: x3's values per channel, N L."""
         if not self._FIRST_STAGE:
@@ -418,8 +419,8 @@ def _backward_or_fallback(ctx, dy):
         stats = ctx.stats
         coeffs, ctx.res = call.maps[0](stats.m, stats.v, stats.mean, stats.var, ctx.params, length, call.count)
         ctx.pc = AtenBackend.prepare(coeffs, stats.v)
-        with _no_autocast(x3.device.type):
-            return _backward(ctx, x3, dy.reshape(n, c, length))
+        with _no_autocast(x3.device.type):  # dy as ATen's passes take it (x3's dtype: x converted for the plan)
+            return _backward(ctx, x3, AtenBackend.grad_layout(dy, x3))
 
 
 def _op_backward(ctx, dy):

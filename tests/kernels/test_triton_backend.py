@@ -147,12 +147,13 @@ def test_backend_choice(monkeypatch):
         B.selected_backend(layer, x)
 
 
+@pytest.mark.parametrize('x_dtype', [torch.float64, torch.float32])
 @pytest.mark.parametrize('where', ['forward', 'backward'])
 @pytest.mark.parametrize('name', ['bcn-estimate', 'unitization-batch'])
-def test_compile_failure_falls_back_to_aten_with_one_warning(device, name, where, monkeypatch):
+def test_compile_failure_falls_back_to_aten_with_one_warning(device, name, where, x_dtype, monkeypatch):
     """Under 'auto' (simulated for these tensors): a kernel that does not compile -> one RuntimeWarning, the
     ATen backend for the call and the rest of the process; the state moves exactly once; a forced 'triton'
-    raises instead."""
+    raises instead. float32 x with the float64 layer: x converted for the plan, dy too on the way to ATen."""
     from triton.compiler.errors import CompilationError
     tri, aten = pair(name, device=device)
     tri.backend = None
@@ -167,7 +168,7 @@ def test_compile_failure_falls_back_to_aten_with_one_warning(device, name, where
             raise CompilationError('normdense_test', None, 'simulated failure')
         return original(self, *args, **kwargs)
     monkeypatch.setattr(kernel_cls, 'run', run_or_fail)
-    x = (torch.randn(2, C, 5, 6, dtype=torch.float64) + 1).to(device)
+    x = (torch.randn(2, C, 5, 6, dtype=torch.float64) + 1).to(device, x_dtype)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         got = run(tri, [x])
@@ -389,3 +390,16 @@ def test_large_batch_sums_without_enough_dx_programs(device, monkeypatch):
         got = run(tri, [x])
     assert '_dx_kernel' in n['names']
     assert_same(got, run(aten, [x]))
+
+
+@pytest.mark.parametrize('name', ['bcn-estimate', 'unitization-batch'])
+def test_moment_partials_not_kept_to_backward(device, name):
+    """The Function keeps the first stage's record to backward (its outputs, its launch geometry), not the moments'
+    partials: (SPLIT, 2, N C), up to an eighth of x's size for channels_last maps with few positions."""
+    tri, _ = pair(name, device=device)
+    x = torch.randn(2, C, 5, 6, dtype=torch.float64, device=device).to(memory_format=torch.channels_last)
+    y = tri(x.requires_grad_())
+    first = y.grad_fn.stats.plan
+    assert first is not None and first.geometry is not None
+    assert first.fold is None
+    y.sum().backward()
