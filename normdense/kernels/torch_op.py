@@ -27,6 +27,16 @@ _TICKETS = itertools.count(1)  # why: a forward's key into _PENDING, unique per 
 _MAX_PENDING = 4096  # a safety net: forwards whose graph is alive without a backward, the oldest dropped
 
 
+def _declared(t: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as the fake kernels declare it, ``torch.empty_like(x, dtype=dtype)``'s strides and dtype (a compiled graph
+    asserts them): t itself where it has them, else a copy (a backend's layout differs from x's, e.g. the
+    Triton passes read an H/W-swapped map as a contiguous copy)."""
+    out = torch.empty_like(x, dtype=dtype)
+    if out.stride() == t.stride() and out.dtype == t.dtype:
+        return t
+    return out.copy_(t)
+
+
 def handle(layer) -> str:
     """The layer's key into the operator's registry; traced as a constant (Dynamo guards on the identity)."""
     return f'{type(layer).__name__}@{id(layer):x}'
@@ -74,7 +84,7 @@ def statnorm(x: torch.Tensor, params: List[torch.Tensor], state: List[torch.Tens
     state = [b.clone() for b in state]  # written by the call, returned
     keep = [] if needs_grad else None
     with _swapped(mod, params, state):
-        y = mod._statnorm_eager(x, keep)
+        y = _declared(mod._statnorm_eager(x, keep), x, mod._statnorm_dtypes(x)[1])
     if not needs_grad:
         return y, torch.zeros((), dtype=torch.int64), state
     ticket = next(_TICKETS)
@@ -90,7 +100,7 @@ def statnorm(x: torch.Tensor, params: List[torch.Tensor], state: List[torch.Tens
 @statnorm.register_fake
 def _(x, params, state, layer, needs_grad):
     out_dtype = _LAYERS[layer]._statnorm_dtypes(x)[1]
-    return (x.new_empty(x.shape, dtype=out_dtype), torch.empty((), dtype=torch.int64),
+    return (torch.empty_like(x, dtype=out_dtype), torch.empty((), dtype=torch.int64),
             [torch.empty_like(b) for b in state])
 
 
@@ -101,7 +111,8 @@ def statnorm_backward(ticket: torch.Tensor, dy: torch.Tensor, x: torch.Tensor,
     ctx, backward = _PENDING.pop(int(ticket))
     dx, dparams = backward(ctx, dy)
     present = [d for d, p in zip(dparams, ctx.params) if p is not None]
-    return [dx.view(x.shape)] + [torch.zeros_like(p) if d is None else d for d, p in zip(present, params)]
+    return [_declared(dx.view(x.shape), x, x.dtype)] + \
+        [torch.zeros_like(p) if d is None else d for d, p in zip(present, params)]
 
 
 @statnorm_backward.register_fake

@@ -105,6 +105,32 @@ def test_compiled_training_step_on_the_aten_path(compiler):
             torch.testing.assert_close(b, a, rtol=tol, atol=tol, msg=name)
 
 
+@pytest.mark.slow  # inductor compiles the graph's C++: ~15 s a layout on 2 CPU cores
+@pytest.mark.parametrize('layout', ['channels_last', 'hw_swapped'])
+def test_inductor_asserts_hold_for_non_contiguous_inputs(layout):
+    """Under inductor the operators' outputs have the strides their fake kernels declare (inductor asserts them):
+    a channels_last map and a map with H and W swapped in memory, forward and backward equal eager (both failed
+    with inductor's stride assertion before)."""
+    from normdense.layers import BatchChannelNorm2d
+    torch.manual_seed(0)
+    layer = BatchChannelNorm2d(C, 4, mode='batch', backend='aten').double()
+    twin = copy.deepcopy(layer)
+    x = torch.randn(2, C, 5, 6, dtype=torch.float64)
+    x = x.contiguous(memory_format=torch.channels_last) if layout == 'channels_last' else \
+        x.transpose(2, 3).contiguous().transpose(2, 3)
+    w = torch.randn(x.shape, dtype=torch.float64)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: twin(t), backend='inductor')
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (layer(xa) * w).sum().backward()
+    y = compiled(xb)
+    (y * w).sum().backward()
+    torch.testing.assert_close(y, layer(x.clone()), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-12, atol=1e-12)
+    for a, b in zip(layer.parameters(), twin.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-12)
+
+
 def test_compile_is_not_taken_for_export(monkeypatch):
     """torch.compile of a training BCN is not mistaken for an export (which would raise 'exports in eval mode
     only'): before torch 2.12 Dynamo folded torch.compiler.is_exporting() to True while compiling
