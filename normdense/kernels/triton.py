@@ -345,12 +345,10 @@ class TritonBackend:
         request = stats.request
         write = None if stats.update is None else (stats.update, request.stat_mean, request.stat_var)
         first = stats.plan
-        if first is None:
-            return _apply(x3, not x3.is_contiguous(), stats.m, stats.v, pc, act or _NO_ACT, out_dtype, write,
-                          request.nbt, key=request.key, out=out), pc
         y = _apply(x3, not x3.is_contiguous(), stats.m, stats.v, pc, act or _NO_ACT, out_dtype, write, request.nbt,
-                   key=request.key, out=out, g=first.geometry)
-        first.fold = None  # the map's launch ran it: the moments' partials go (the record may live to backward)
+                   key=request.key, out=out, g=None if first is None else first.geometry)
+        if first is not None:
+            first.fold = None  # the map's launch ran it: the moments' partials go (the record may live to backward)
         return y, pc
 
     @staticmethod
@@ -359,7 +357,7 @@ class TritonBackend:
         cast pass)."""
         if x3.is_contiguous():
             return dy.contiguous()
-        return dy if _cl_contiguous(dy) else _to_cl(dy)
+        return dy if _cl_contiguous(dy) else _to_cl(dy)  # like(dy, x3, True), inlined: every backward
 
     @staticmethod
     def sums(x3, dy, stats: Statistics, pc, act=None, merged=True):

@@ -76,12 +76,12 @@ class _Iteration:
     def __init__(self, token, base, rate):
         self.token, self.base, self.rate = token, base, rate
         self.total = None  # (moments (2, C), count) of the calls so far
-        self.local = self.synced = None  # lists, made by the first all-reduce (sync only)
+        self.local, self.synced = [], []
 
     def synced_sums(self, local):
         """The all-reduced sums of the forward call whose local sums a recomputation repeats: on the device, no
         collective, no host sync."""
-        if not self.local:  # None (no all-reduce yet) or empty
+        if not self.local:
             raise RuntimeError('an estimate-mode layer is recomputed in backward but was not called in this '
                                "iteration's forward")
         index = (torch.stack(self.local) - local).abs().sum(1).argmin()
@@ -150,8 +150,6 @@ class Estimates:
             return unpack(st.synced_sums(local))
         synced = local.clone()
         dist.all_reduce(synced)
-        if st.local is None:
-            st.local, st.synced = [], []
         st.local.append(local)
         st.synced.append(synced)
         return unpack(synced)

@@ -328,7 +328,7 @@ class StatNorm2d(StatNormState):
         estimate = self.mode == 'estimate'
         if synced and (estimate or self._SYNC_BATCH):  # the collectives read m, v now
             x3, st = be.first_stage(x3, StatsRequest(key=key and key + ('synced', )), deferred=False)
-            kind, mean, var, count = self._synced_stats(st.m, st.v, count // x3.shape[0])
+            kind, mean, var, count = self._synced_stats(st.m, st.v, ncl(x3)[2])
             return x3, st._replace(mean=mean, var=var), kind, count, None
         if estimate:  # Algorithm 1, once per iteration
             it, backward = self._estimates.begin((rm, rv, nbt), self._rate, deferred=True)
