@@ -21,7 +21,7 @@ import functools
 import triton
 import triton.language as tl
 
-from .common import CHUNK, BlockSums, cdiv, grad_buffer, group_tiles, rsqrt, sample_blocks, split_sum
+from .common import CHUNK, BlockSums, cdiv, grad_buffer, group_tiles, rows, rsqrt, sample_blocks, split_sum
 from .first_stage import FOLD_SIZES, fold, fold_args, fold_consts
 from .launch import launcher
 
@@ -292,8 +292,8 @@ _MAP, _VJP = launcher(_bcn_map_kernel), launcher(_bcn_vjp_kernel)
 def coeff_map(m, v, mean, var, params, positions, count, *, num_groups: int, eps: float, group_affine: bool,
               first=None, chunk: int = CHUNK, tile: int = _TILE):
     """Triton ``normdense.layers.bcn.coeff_map`` (Eq. 40-42), one launch: ((A, B), res) with A, B (N, C) in m's
-    dtype. ``positions`` and ``count`` do not enter BCN's map (as in the torch method); ``res`` is the
-    inputs, which :func:`coeff_vjp` recomputes the intermediates from. ``first``: the engine's planned first
+    dtype, the rows of one (2, N, C) tensor. ``positions`` and ``count`` do not enter BCN's map (as in the torch
+    method); ``res`` is the inputs, which :func:`coeff_vjp` recomputes the intermediates from. ``first``: the engine's planned first
     stage (``first_stage.FirstStage``, whose outputs m, v, mean, var are): run in this launch, its launch-cache
     key (``first.key``) extended by this launch's. ``chunk``, ``tile``: :func:`_blocks`'s."""
     bw, bb, w, b = params[0].contiguous(), params[1].contiguous(), params[2].contiguous(), params[3].contiguous()
@@ -301,13 +301,15 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups: int, eps
         m, v, mean, var = m.contiguous(), v.contiguous(), mean.contiguous(), var.contiguous()
     n, c = m.shape
     per, grid, _, _, consts = _launch_plan(n, c, num_groups, eps, group_affine, False, False, chunk, tile)
-    a_out, b_out = m.new_empty(n, c), m.new_empty(n, c)
+    coeffs = m.new_empty(2, n, c)  # A, B: one tensor object (its rows by address on a kept launch)
     fargs, fconst = fold_args(None, m) if first is None else (first.fold, None)  # its constexprs on a miss
     key = None if first is None else first.key  # the call's (``launch.Launcher``)
-    args = (m, v, mean, var, bw, bb, w, b, a_out, b_out, n, c, num_groups, per, *fargs)
+    a = coeffs.data_ptr()
+    args = (m, v, mean, var, bw, bb, w, b, a, a + n * c * coeffs.itemsize, n, c, num_groups, per, *fargs)
     if key is None or not _MAP.hit(grid, args, key):
+        args = args[:8] + rows(coeffs, 2)[:2] + args[10:]
         _MAP.launch(grid, args, {**(fconst or fold_consts(first)), **consts}, key)
-    return (a_out, b_out), (m, v, mean, var, bw, bb, w, b, key)
+    return coeffs, (m, v, mean, var, bw, bb, w, b, key)
 
 
 def coeff_vjp(res, grads, wants_stats, *, num_groups: int, eps: float, group_affine: bool, defer: bool = False,
@@ -318,19 +320,23 @@ def coeff_vjp(res, grads, wants_stats, *, num_groups: int, eps: float, group_aff
     (added in the kernel); dm, dv, dmean, dvar in m's dtype (dmean, dvar None unless ``wants_stats``: batch
     statistics), the parameter gradients in the parameters' dtypes. Many samples run on sample blocks too
     (``common.BlockSums``): ``defer`` returns their partials, dmean, dvar (SB, C) and the ``BlockSums`` in place
-    of the parameter gradients, for dx to sum; else they are summed here. ``chunk``, ``tile``: as coeff_map's."""
+    of the parameter gradients, for dx to sum; else they are summed here. ``defer`` (the engine's: dx follows)
+    also returns dm, dv as one (2, N, C) buffer in dm's place, dv None (``triton.dx`` takes them so).
+    ``chunk``, ``tile``: as coeff_map's."""
     m, v, mean, var, bw, bb, w, b, key = res
-    # gA at the buffer's start, gB one view: gB's own pointer (one derived in the kernel spills fp64 registers)
-    ga, gsplit, gstride, _ = grad_buffer(grads)
-    gb = ga.select(1, 1)
+    # gA at the buffer's start, gB its own pointer argument (one derived in the kernel spills fp64 registers): its
+    # address on a kept launch, a view on the normal one
+    ga, gsplit, gstride, gk = grad_buffer(grads)
     n, c = m.shape
     per, grid, blocks, n_per, consts = _launch_plan(n, c, num_groups, eps, group_affine, True, bool(wants_stats),
                                                     chunk, tile)
-    dm, dv = m.new_empty(n, c), m.new_empty(n, c)
+    dmv = m.new_empty(2, n, c)  # dm, dv: one tensor object
     out = BlockSums(blocks, m, (bw, bb, w, b), wants_stats)
     dbw, dbb, dw, db, dmean, dvar = out.slots
-    args = (m, v, mean, var, bw, bb, w, ga, gb, dm, dv, dmean, dvar, dbw, dbb, dw, db, n, c, num_groups, per, gsplit,
-            gstride, n_per, out.stride)
+    d = dmv.data_ptr()
+    args = (m, v, mean, var, bw, bb, w, ga, ga.data_ptr() + gk * ga.itemsize, d, d + n * c * dmv.itemsize, dmean, dvar,
+            dbw, dbb, dw, db, n, c, num_groups, per, gsplit, gstride, n_per, out.stride)
     if key is None or not _VJP.hit(grid, args, key):  # the forward's key: the VJP's arguments follow from it
+        args = args[:8] + (ga.select(1, 1), ) + rows(dmv, 2)[:2] + args[11:]
         _VJP.launch(grid, args, consts, key)
-    return (dm, dv) + out.result(defer)
+    return ((dmv, None) if defer else (dmv[0], dmv[1])) + out.result(defer)

@@ -85,6 +85,25 @@ def grad_buffer(grads):
     return g, g.shape[0], g.stride(0), g.stride(1)
 
 
+def stacked(arrays) -> torch.Tensor:
+    """Several (N, C) per-(n, c) arrays as the engine's Triton passes take them: one contiguous (count, N, C)
+    tensor, whose rows a kept launch passes by address (one tensor object, not one per row; ``launch.Launcher``).
+    A kernel map's coefficients and a kernel VJP's dm, dv come so; a sequence of tensors is stacked."""
+    if isinstance(arrays, torch.Tensor):
+        return arrays.contiguous()
+    return torch.stack([t.reshape(arrays[0].shape) for t in arrays])
+
+
+def rows(buf: torch.Tensor, count: int):
+    """Four pointer arguments for the normal launch (``kernel[grid]`` binds tensors): the rows 0..``count`` - 1
+    (2 or 4) of a :func:`stacked` buffer, the rows 0, 1 again in the places of rows not there (arguments the
+    kernel does not read)."""
+    if count == 4:
+        return buf[0], buf[1], buf[2], buf[3]
+    a, b = buf[0], buf[1]
+    return a, b, a, b
+
+
 # --- the passes' tiles of the activation -----------------------------------------------------------------------
 def vector_width(*tensors) -> int:
     """V (elements) of the narrowest dtype among ``tensors``: V lanes of it are 16 bytes, and V lanes of a

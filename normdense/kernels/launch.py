@@ -41,8 +41,11 @@ _no_launch = ''.format
 class Launcher:
     """A kernel's launches: ``launch(grid, args, consts, key)`` is ``kernel[grid](*args, **consts)`` and keeps, under
     ``key``, the compiled kernel's own launcher; ``hit(grid, args, key)`` launches through it where one is kept
-    (True) and does nothing otherwise (False): the caller builds ``consts`` only then. ``args``: the runtime
-    arguments in the kernel's order; ``consts``: its constexprs by name, then options (num_warps)."""
+    (True) and does nothing otherwise (False, also while a launch hook is set): the caller then makes the normal
+    launch, and builds ``consts`` only then. ``args``: the runtime arguments in the kernel's order; ``consts``: its
+    constexprs by name, then options (num_warps). A kept launch may take an integer address for a pointer
+    (Triton's launcher passes one as it is): a row of a stacked buffer, without a tensor object for it
+    (``common.rows``); the normal launch then takes tensors (``kernel[grid]`` would read an integer as one)."""
     __slots__ = ('kernel', 'cache', 'name')
 
     def __init__(self, kernel):
@@ -53,11 +56,10 @@ class Launcher:
         d = self.cache.get(key)
         if d is None:
             return False
-        run, function, packed, tail, device, runtime, enter, leave, stream, consts = d
+        run, function, packed, tail, device, runtime, enter, leave, stream = d
         if runtime.launch_enter_hook is not enter or enter.calls or runtime.launch_exit_hook is not leave \
-                or leave.calls:  # a hook now (a profiler): the launch that calls it
-            self.kernel[grid](*args, **consts)
-            return True
+                or leave.calls:  # a hook now (a profiler): the caller's normal launch calls it
+            return False
         run(grid[0], grid[1], grid[2], stream(device), function, packed, None, None, None, *args, *tail)
         return True
 
@@ -100,7 +102,7 @@ def direct(kernel, compiled, nargs: int, consts: dict, device):
         run = _no_launch
     # the current stream, as triton's driver asks it
     stream = torch._C._cuda_getCurrentRawStream if device >= 0 else _no_stream
-    return (run, function, packed, tail, device, runtime, enter, leave, stream, dict(consts))
+    return run, function, packed, tail, device, runtime, enter, leave, stream
 
 
 def _chain(hook) -> bool:

@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from .activations import act_args, act_forward, act_grad
-from .common import CHUNK, BlockSums, cdiv, grad_buffer, group_tiles, next_pow2, rsqrt, sample_blocks, split_sum
+from .common import (CHUNK, BlockSums, cdiv, grad_buffer, group_tiles, next_pow2, rows, rsqrt, sample_blocks,
+                     split_sum)
 from .first_stage import FOLD_SIZES, fold, fold_args, fold_consts
 from .launch import launcher
 
@@ -346,7 +347,7 @@ _MAP, _VJP = launcher(_coeff_map_kernel), launcher(_coeff_vjp_kernel)
 def coeff_map(m, v, mean, var, params, positions, count, *, num_groups, eps, act, act_kwargs, proxy_eps,
               proxy_scaling, proxy_affine, quantiles, first=None, chunk=CHUNK, tile=_TILE):
     """``normdense.layers.proxy_norm.coeff_map`` in one launch: ((A, B, K, L), residuals), each coefficient (N, C)
-    in m's dtype. ``quantiles`` are the proxy samples q (num_samples,) (the layer's cached quantiles); ``mean``,
+    in m's dtype, the rows of one (4, N, C) tensor. ``quantiles`` are the proxy samples q (num_samples,) (the layer's cached quantiles); ``mean``,
     ``var``, ``positions`` and ``count`` are unused (GN+PN has no first stage). ``first``: the engine's planned
     moments merge (``first_stage.FirstStage``, whose outputs m, v are): run in this launch, its launch-cache
     key extended by this launch's. ``chunk``, ``tile``: :func:`_blocks`'s."""
@@ -356,14 +357,17 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups, eps, act
     per, (grid, consts), _ = _config(m, num_groups, quantiles, act, act_kwargs, chunk, tile, eps, proxy_eps,
                                      proxy_scaling, proxy_affine)
     n, c = m.shape
-    a, b, k, l_ = m.new_empty(n, c), m.new_empty(n, c), m.new_empty(n, c), m.new_empty(n, c)
+    coeffs = m.new_empty(4, n, c)  # A, B, K, L: one tensor object (its rows by address on a kept launch)
     pb, pg = (proxy_beta, proxy_gamma) if proxy_affine else (weight, weight)  # not read without proxy_affine
     fargs, fconst = fold_args(None, m) if first is None else (first.fold, None)  # its constexprs on a miss
     key = None if first is None else first.key  # the call's (``launch.Launcher``)
-    args = (m, v, weight, bias, pb, pg, quantiles, a, b, k, l_, n, c, num_groups, per, quantiles.numel(), *fargs)
+    a, step = coeffs.data_ptr(), n * c * coeffs.itemsize
+    args = (m, v, weight, bias, pb, pg, quantiles, a, a + step, a + 2 * step, a + 3 * step, n, c, num_groups, per,
+            quantiles.numel(), *fargs)
     if key is None or not _MAP.hit(grid, args, key):
+        args = args[:7] + rows(coeffs, 4) + args[11:]
         _MAP.launch(grid, args, {**(fconst or fold_consts(first)), **consts}, key)
-    return (a, b, k, l_), (m, v, params, quantiles, key)
+    return coeffs, (m, v, params, quantiles, key)
 
 
 def coeff_vjp(res, grads, wants_stats, *, num_groups, eps, act, act_kwargs, proxy_eps, proxy_scaling,
@@ -373,7 +377,8 @@ def coeff_vjp(res, grads, wants_stats, *, num_groups, eps, act, act_kwargs, prox
     kernel's (SPLIT, 4, N, C) chunk partials (added in the kernel), or each (N, C) or (SPLIT, N, C)
     (``common.grad_buffer``); dm, dv in m's dtype, the
     parameter gradients in the parameters' dtypes. Many samples run on sample blocks too: ``defer`` returns a
-    ``common.BlockSums`` of their partials in place of the parameter gradients, for dx to sum. ``chunk``,
+    ``common.BlockSums`` of their partials in place of the parameter gradients, for dx to sum; ``defer`` (the
+    engine's: dx follows) also returns dm, dv as one (2, N, C) buffer in dm's place, dv None (``triton.dx``). ``chunk``,
     ``tile``: as coeff_map's."""
     m, v, params, quantiles, key = res
     weight, bias, proxy_beta, proxy_gamma = params
@@ -381,12 +386,14 @@ def coeff_vjp(res, grads, wants_stats, *, num_groups, eps, act, act_kwargs, prox
     per, _, (grid, sb, n_per, consts) = _config(m, num_groups, quantiles, act, act_kwargs, chunk, tile, eps,
                                                 proxy_eps, proxy_scaling, proxy_affine)
     n, c = m.shape
-    dm, dv = m.new_empty(n, c), m.new_empty(n, c)
+    dmv = m.new_empty(2, n, c)  # dm, dv: one tensor object
     out = BlockSums(sb, m, (weight, bias) + ((proxy_beta, proxy_gamma) if proxy_affine else (None, None)), False)
     dw, db, dpb, dpg = out.slots[:4]
     pb, pg = (proxy_beta, proxy_gamma) if proxy_affine else (weight, weight)
-    args = (m, v, weight, bias, pb, pg, quantiles, g, dm, dv, dw, db, dpb, dpg, n, c, num_groups, per,
-            quantiles.numel(), gsplit, gstride, gk, n_per, out.stride)
+    d = dmv.data_ptr()
+    args = (m, v, weight, bias, pb, pg, quantiles, g, d, d + n * c * dmv.itemsize, dw, db, dpb, dpg, n, c, num_groups,
+            per, quantiles.numel(), gsplit, gstride, gk, n_per, out.stride)
     if key is None or not _VJP.hit(grid, args, key):  # the forward's key: the VJP's arguments follow from it
+        args = args[:8] + rows(dmv, 2)[:2] + args[10:]
         _VJP.launch(grid, args, consts, key)
-    return (dm, dv) + out.result(defer)
+    return ((dmv, None) if defer else (dmv[0], dmv[1])) + out.result(defer)

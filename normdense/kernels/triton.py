@@ -19,7 +19,7 @@ import torch
 
 from .activations import act_args
 from .backend import Statistics, StatsRequest, compile_errors, device_guard, ncl
-from .common import FINISH_BLOCK, acc_dtype, cdiv, cl_blocks, hi_lo
+from .common import FINISH_BLOCK, acc_dtype, cdiv, cl_blocks, hi_lo, rows, stacked
 from .first_stage import FirstStage
 from .launch import launcher
 from .passes import _apply_kernel, _dx_kernel, _merge_kernel, _moments_kernel, _sums_kernel
@@ -201,7 +201,7 @@ def apply(x3, m, v, coeffs, act=None, out_dtype=None, write=None, nbt=None, spli
     ``write`` = (upd, running_mean, running_var): the new values to copy into the buffers; ``nbt``: a
     num_batches_tracked to add 1 to."""
     x3, cl = read_layout(x3)
-    return _apply(x3, cl, m, v, coeffs, _act(act), out_dtype, write, nbt, split, key)
+    return _apply(x3, cl, m, v, stacked(coeffs), _act(act), out_dtype, write, nbt, split, key)
 
 
 def _apply(x3, cl, m, v, coeffs, act, out_dtype, write, nbt, split=None, key=None, out=None, g=None):
@@ -215,12 +215,14 @@ def _apply(x3, cl, m, v, coeffs, act, out_dtype, write, nbt, split=None, key=Non
         y = torch.empty_like(x3, dtype=out_dtype)
     if g is None or y.dtype != x3.dtype:
         g = _geom(x3, cl, y, split)
-    a, b = coeffs[0], coeffs[1]
-    k, l_ = (coeffs[2], coeffs[3]) if act_id >= 0 else (a, b)
+    # the coefficients (``common.stacked``): their rows by address on a kept launch
+    a, step = coeffs.data_ptr(), g.n * g.c * coeffs.itemsize
+    k, l_ = (a + 2 * step, a + 3 * step) if act_id >= 0 else (a, a + step)
     upd, rm, rv = write if write is not None else (m, m, m)
-    args = (x3, y, m, v, a, b, k, l_, upd, rm, rv, m if nbt is None else nbt, g.c, g.length, g.chunk,
+    args = (x3, y, m, v, a, a + step, k, l_, upd, rm, rv, m if nbt is None else nbt, g.c, g.length, g.chunk,
             int(write is not None), int(nbt is not None), act[1], act[2], act[3], act[4])
     if key is None or not _APPLY.hit(g.grid, args, key):
+        args = args[:4] + rows(coeffs, 4 if act_id >= 0 else 2) + args[8:]
         _APPLY.launch(g.grid, args, {'ACT': act_id, 'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v, 'SMALL': g.small,
                                      'CL': cl, 'ACC': acc_dtype(x3.dtype)}, key)
     return y
@@ -234,7 +236,7 @@ def sums(x3, dy, m, v, coeffs, act=None, merged=True, split=None, key=None):
     (the layers' VJP kernels, :func:`dx`): no merge launch. dy in any floating dtype, in x3's layout (else
     copied into it)."""
     x3, cl = read_layout(x3)
-    out = _sums(x3, cl, like(dy, x3, cl), m, v, coeffs, _act(act), merged, split, key)
+    out = _sums(x3, cl, like(dy, x3, cl), m, v, stacked(coeffs), _act(act), merged, split, key)
     return out if merged else out.unbind(1)
 
 
@@ -247,10 +249,11 @@ def _sums(x3, cl, dy, m, v, coeffs, act, merged=True, split=None, key=None, g=No
     n, c, length = g.n, g.c, g.length
     split = g.grid[1]
     part = m.new_empty(split, count, n, c)
-    a, b = coeffs[0], coeffs[1]
-    k = coeffs[2] if act_id >= 0 else a
-    args = (x3, dy, part, m, v, a, b, k, n * c, c, length, g.chunk, act[1], act[2], act[3], act[4])
+    a, step = coeffs.data_ptr(), n * c * coeffs.itemsize  # ``common.stacked``, as in _apply
+    args = (x3, dy, part, m, v, a, a + step, a + 2 * step if act_id >= 0 else a, n * c, c, length, g.chunk, act[1],
+            act[2], act[3], act[4])
     if key is None or not _SUMS.hit(g.grid, args, key):
+        args = args[:5] + rows(coeffs, count)[:3] + args[8:]
         _SUMS.launch(g.grid, args, {'ACT': act_id, 'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v, 'CL': cl,
                                     'ACC': acc_dtype(x3.dtype)}, key)
     if not merged:  # the layers' VJP kernels and dx read this buffer as it is (common.grad_buffer)
@@ -274,19 +277,20 @@ def dx(x3, dy, m, v, coeffs, dm, dv, gsum, act=None, batch=None, finish=None, sp
     ``common.BlockSums`` whose partial parameter gradients this launch sums (if each of its programs can take
     ``finish_block`` columns, else torch sums them first). dy as for :func:`sums`."""
     x3, cl = read_layout(x3)
-    return _dx(x3, cl, like(dy, x3, cl), m, v, coeffs, dm, dv, gsum, _act(act), batch, finish, split, finish_block,
-               key)
+    return _dx(x3, cl, like(dy, x3, cl), m, v, stacked(coeffs), stacked((dm, dv)), gsum, _act(act), batch, finish, split,
+               finish_block, key)
 
 
-def _dx(x3, cl, dy, m, v, coeffs, dm, dv, gsum, act, batch=None, finish=None, split=None,
+def _dx(x3, cl, dy, m, v, coeffs, dmv, gsum, act, batch=None, finish=None, split=None,
         finish_block=FINISH_BLOCK.value, key=None, g=None):
-    """``g``: as :func:`_apply`'s, for a dy of x3's dtype."""
+    """``coeffs``, ``dmv`` (dm and dv) as ``common.stacked`` makes them; ``g``: as :func:`_apply`'s, for a dy of
+    x3's dtype."""
     act_id = act[0]
     out = torch.empty_like(x3)  # x3's shape (the engine's: x's), dtype and layout
     if g is None or dy.dtype != x3.dtype:
         g = _geom(x3, cl, dy, split)
-    a, b = coeffs[0], coeffs[1]
-    k = coeffs[2] if act_id >= 0 else a
+    # the coefficients and [dm; dv] (``common.stacked``): their rows by address on a kept launch
+    a, d, step = coeffs.data_ptr(), dmv.data_ptr(), g.n * g.c * coeffs.itemsize
     mean, dmean, dvar, scale = batch if batch is not None else (m, m, m, 0.0)
     # sum_l g: (N, C), its (SPLIT, N, C) chunk partials, or the second of the sums kernel's (SPLIT, count, N, C)
     if gsum.dim() == 2:
@@ -297,10 +301,11 @@ def _dx(x3, cl, dy, m, v, coeffs, dm, dv, gsum, act, batch=None, finish=None, sp
     bsplit, bstride = (dmean.shape[0], dmean.stride(0)) if batch is not None and dmean.dim() == 2 else (1, 0)
     src, dst, fin_p, fin_sb, fin_stride = finish.dx_args(g.grid[0], finish_block) if finish is not None else \
         (m, m, 0, 1, 0)
-    args = (x3, dy, out, m, v, a, b, k, dm, dv, gsum, mean, dmean, dvar, src, dst, g.c, g.length, g.chunk,
-            goff, gsplit, gstride, bsplit, bstride, fin_p, fin_sb, fin_stride, *hi_lo(scale), act[1], act[2], act[3],
-            act[4])
+    args = (x3, dy, out, m, v, a, a + step, a + 2 * step if act_id >= 0 else a, d, d + g.n * g.c * dmv.itemsize, gsum,
+            mean, dmean, dvar, src, dst, g.c, g.length, g.chunk, goff, gsplit, gstride, bsplit, bstride, fin_p, fin_sb,
+            fin_stride, *hi_lo(scale), act[1], act[2], act[3], act[4])
     if key is None or not _DX.hit(g.grid, args, key):
+        args = args[:5] + rows(coeffs, 4 if act_id >= 0 else 2)[:3] + rows(dmv, 2)[:2] + args[10:]
         _DX.launch(g.grid, args, {'ACT': act_id, 'BATCH': batch is not None, 'BLOCK': g.block, 'BLOCK_C': g.block_c,
                                   'V': g.v, 'SMALL': g.small, 'CL': cl, 'ACC': acc_dtype(x3.dtype),
                                   'FINISH': fin_p > 0}, key)
@@ -337,7 +342,7 @@ class TritonBackend:
 
     @staticmethod
     def prepare(coeffs, v):
-        return [c.contiguous() for c in coeffs]  # the kernels mask A where v = 0 themselves
+        return stacked(coeffs)  # the kernels mask A where v = 0 themselves
 
     @staticmethod
     def apply(x3, stats: Statistics, coeffs, act=None, out_dtype=None, out=None):
@@ -372,12 +377,13 @@ class TritonBackend:
     @staticmethod
     def dx(x3, dy, stats: Statistics, pc, dm, dv, grads, act=None, batch=None, state=None, pending=None):
         """dx; ``grads``: what :meth:`sums` returned (the kernel's buffer as it is: no view of sum_l g);
-        ``pending``: a layer VJP's ``common.BlockSums`` (large N), summed in this launch."""
+        ``pending``: a layer VJP's ``common.BlockSums`` (large N), summed in this launch. ``dv`` None: ``dm`` is a
+        kernel VJP's stacked [dm; dv] (its ``defer``)."""
         merged, key, g = state
-        if merged:  # the torch VJP's dm, dv (the kernel maps' are contiguous) and merged sums
-            dm, dv, grads = dm.contiguous(), dv.contiguous(), grads[1]
-        return _dx(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, dm, dv, grads, act or _NO_ACT, batch, pending,
-                   key=key, g=g)
+        if merged:  # the torch VJP's dm, dv (separate, maybe strided) and merged sums
+            grads = grads[1]
+        return _dx(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, dm if dv is None else stacked((dm, dv)), grads,
+                   act or _NO_ACT, batch, pending, key=key, g=g)
 
     @staticmethod
     def act_form(act):

@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import BlockSums, cdiv, from_hi_lo, grad_buffer, hi_lo, next_pow2, rsqrt, sample_blocks, split_sum
+from .common import (BlockSums, cdiv, from_hi_lo, grad_buffer, hi_lo, next_pow2, rows, rsqrt, sample_blocks,
+                     split_sum)
 from .first_stage import FOLD_SIZES, fold, fold_args, fold_consts
 from .launch import launcher
 
@@ -215,7 +216,8 @@ _MAP, _VJP = launcher(_coeff_map_kernel), launcher(_coeff_vjp_kernel)
 
 def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None, norm_divisor='hw',
               var_correction='none', first=None):
-    """``normdense.layers.unitization.coeff_map`` in one launch: ((A, B), res) for y = A (x - m) + B, each (N, C).
+    """``normdense.layers.unitization.coeff_map`` in one launch: ((A, B), res) for y = A (x - m) + B, each (N, C),
+    the rows of one (2, N, C) tensor.
 
     ``count`` (an int) marks batch statistics (its variance factor applies), None fixed ones (estimate mode,
     eval). ``res`` holds the inputs, p, rs = 1 / sqrt(f var + eps) (C,) and the scalars: the VJP recomputes
@@ -227,16 +229,18 @@ def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None,
     if first is None:  # the planned stage's outputs are contiguous allocations
         m, v, mean, var = m.contiguous(), v.contiguous(), mean.contiguous(), var.contiguous()
     grid, consts = _launch_plan(N, C, m.dtype, affine, False)[:2]
-    a, b_out = m.new_empty(N, C), m.new_empty(N, C)
+    coeffs = m.new_empty(2, N, C)  # A, B: one tensor object (its rows by address on a kept launch)
     p, rs = m.new_empty(N), m.new_empty(C)
     split = _scalars(eps, positions, count, n, norm_divisor, var_correction)
     fargs, fconst = fold_args(None, m) if first is None else (first.fold, None)  # its constexprs on a miss
     key = None if first is None else first.key  # the call's (``launch.Launcher``)
-    args = (m, v, mean, var, alpha, w if affine else alpha, b if affine else alpha, a, b_out, p, rs, N, C, *split,
-            *fargs)
+    a = coeffs.data_ptr()
+    args = (m, v, mean, var, alpha, w if affine else alpha, b if affine else alpha, a, a + N * C * coeffs.itemsize, p,
+            rs, N, C, *split, *fargs)
     if key is None or not _MAP.hit(grid, args, key):
+        args = args[:7] + rows(coeffs, 2)[:2] + args[9:]
         _MAP.launch(grid, args, {**consts, **(fconst or fold_consts(first))}, key)
-    return (a, b_out), (m, v, mean, rs, alpha, w if affine else None, p, split, key)
+    return coeffs, (m, v, mean, rs, alpha, w if affine else None, p, split, key)
 
 
 def coeff_vjp(res, grads, wants_stats, *, affine, defer=False):
@@ -246,16 +250,19 @@ def coeff_vjp(res, grads, wants_stats, *, affine, defer=False):
     (``common.grad_buffer``). dm, dv, dmean, dvar in m's dtype, the
     parameter gradients in the parameters' dtypes. Many samples run on sample blocks too (``common.BlockSums``):
     ``defer`` returns their partials, dmean, dvar (SB, C) and a ``BlockSums`` in place of the parameter
-    gradients, for dx to sum; else they are summed here."""
+    gradients, for dx to sum; else they are summed here. ``defer`` (the engine's: dx follows) also returns
+    dm, dv as one (2, N, C) buffer in dm's place, dv None (``triton.dx`` takes them so)."""
     m, v, mean, rs, alpha, w, p, split, key = res
     g, gsplit, gstride, gk = grad_buffer(grads)
     N, C = m.shape
     _, _, grid, blocks, n_per, consts = _launch_plan(N, C, m.dtype, affine, bool(wants_stats))
-    dm, de = m.new_empty(N, C), m.new_empty(N, C)
+    dmv = m.new_empty(2, N, C)  # dm, dv: one tensor object
     out = BlockSums(blocks, m, (alpha, w, w if affine else None), wants_stats)
     dalpha, dw, db, dmean, dvar = out.slots
-    args = (m, v, mean, rs, alpha, w if affine else alpha, p, g, dm, de, dmean, dvar, dalpha, dw, db, N, C, gsplit,
-            gstride, gk, n_per, out.stride, *split[2:])
+    d = dmv.data_ptr()
+    args = (m, v, mean, rs, alpha, w if affine else alpha, p, g, d, d + N * C * dmv.itemsize, dmean, dvar, dalpha, dw,
+            db, N, C, gsplit, gstride, gk, n_per, out.stride, *split[2:])
     if key is None or not _VJP.hit(grid, args, key):  # the forward's key: the VJP's arguments follow from it
+        args = args[:8] + rows(dmv, 2)[:2] + args[10:]
         _VJP.launch(grid, args, consts, key)
-    return (dm, de) + out.result(defer)
+    return ((dmv, None) if defer else (dmv[0], dmv[1])) + out.result(defer)

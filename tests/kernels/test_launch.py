@@ -93,7 +93,8 @@ def test_a_launch_hook_set_later_is_called_through_kernel_grid():
     hook = lambda metadata: None  # noqa: E731
     knobs.runtime.launch_enter_hook.add(hook)
     try:
-        assert launcher.hit((1, 1, 1), (x, 4), (-1, ))
+        assert not launcher.hit((1, 1, 1), (x, 4), (-1, ))  # the caller makes the normal launch (tensors)
+        launcher((1, 1, 1), (x, 4), {'ACT': 0, 'BLOCK': 16}, key=(-1, ))
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert len(kernel.normal) == 2 and compiled.calls == []
@@ -116,6 +117,50 @@ def test_the_installed_triton_launcher_fits():
     from triton.compiler.compiler import CompiledKernel
     assert isinstance(inspect.getattr_static(CompiledKernel, 'run'), property)
     assert 'packed_metadata' in inspect.getsource(CompiledKernel.__init__)
+
+
+def test_a_kept_launch_passes_what_the_normal_launch_binds(monkeypatch):
+    """The engine's kept launches pass the rows of its stacked buffers (coefficients, [dm; dv], gB) as integer
+    addresses: for every launch of a training step, each such integer is the data_ptr of the tensor the normal
+    launch of the same call binds in its place, and every other argument is the same object or value."""
+    if L.stubbed():
+        pytest.skip('stub_launches active elsewhere')
+    kept, normal = [], []
+    monkeypatch.setattr(L, '_no_launch', lambda *a: kept.append(a[9:]))  # the stubbed launcher, recording
+    original_hit, original_launch = L.Launcher.hit, L.Launcher.launch
+
+    def both(self, grid, args, key):  # the kept launch, then False: the caller's normal launch follows
+        original_hit(self, grid, args, key)
+        return False
+
+    def recording(self, grid, args, consts, key=None):
+        if key is not None and key in self.cache:
+            normal.append((self.name, args))
+        return original_launch(self, grid, args, consts, key)
+    monkeypatch.setattr(L.Launcher, 'hit', both)
+    monkeypatch.setattr(L.Launcher, 'launch', recording)
+    compared = collections.Counter()
+    with L.stub_launches():
+        for name, make in _engine_cases():
+            layer = make().double().train()
+            x = torch.randn(2, 16, 3, 5, dtype=torch.float64, requires_grad=True)
+            for _ in range(2):
+                del kept[:], normal[:]
+                layer(x).sum().backward()
+                if not kept:
+                    continue  # the first step: nothing kept yet
+                assert len(kept) == len(normal) == 6, name
+                for tail, (kernel, args) in zip(kept, normal):
+                    assert len(tail) >= len(args)
+                    for i, (a, b) in enumerate(zip(tail, args)):
+                        if isinstance(a, int) and isinstance(b, torch.Tensor):
+                            assert a == b.data_ptr(), (name, kernel, i)
+                            compared[kernel] += 1
+                        else:
+                            assert a is b or a == b, (name, kernel, i)
+    # the coefficients in the map, apply, sums, dx; [dm; dv] in the VJP and dx; BCN's gB
+    assert set(compared) >= {'_bcn_map_kernel', '_bcn_vjp_kernel', '_coeff_map_kernel', '_coeff_vjp_kernel',
+                             '_apply_kernel', '_sums_kernel', '_dx_kernel'}, compared
 
 
 # --- the engine's keys against Triton's specialization -----------------------------------------------------------
