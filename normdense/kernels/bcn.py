@@ -293,8 +293,9 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups: int, eps
               first=None, chunk: int = CHUNK, tile: int = _TILE):
     """Triton ``normdense.layers.bcn.coeff_map`` (Eq. 40-42), one launch: ((A, B), res) with A, B (N, C) in m's
     dtype, the rows of one (2, N, C) tensor. ``positions`` and ``count`` do not enter BCN's map (as in the torch
-    method); ``res`` is the inputs, which :func:`coeff_vjp` recomputes the intermediates from. ``first``: the engine's planned first
-    stage (``first_stage.FirstStage``, whose outputs m, v, mean, var are): run in this launch, its launch-cache
+    method); ``res`` is the inputs, which :func:`coeff_vjp` recomputes the intermediates from. ``first``: the
+    engine's planned first stage (``first_stage.FirstStage``, whose outputs m, v, mean, var are): run in this
+    launch, its launch-cache
     key (``first.key``) extended by this launch's. ``chunk``, ``tile``: :func:`_blocks`'s."""
     bw, bb, w, b = params[0].contiguous(), params[1].contiguous(), params[2].contiguous(), params[3].contiguous()
     if first is None:  # the planned stage's outputs are contiguous allocations

@@ -277,8 +277,8 @@ def dx(x3, dy, m, v, coeffs, dm, dv, gsum, act=None, batch=None, finish=None, sp
     ``common.BlockSums`` whose partial parameter gradients this launch sums (if each of its programs can take
     ``finish_block`` columns, else torch sums them first). dy as for :func:`sums`."""
     x3, cl = read_layout(x3)
-    return _dx(x3, cl, like(dy, x3, cl), m, v, stacked(coeffs), stacked((dm, dv)), gsum, _act(act), batch, finish, split,
-               finish_block, key)
+    return _dx(x3, cl, like(dy, x3, cl), m, v, stacked(coeffs), stacked((dm, dv)), gsum, _act(act), batch, finish,
+               split, finish_block, key)
 
 
 def _dx(x3, cl, dy, m, v, coeffs, dmv, gsum, act, batch=None, finish=None, split=None,
