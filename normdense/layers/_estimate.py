@@ -94,10 +94,11 @@ class Estimates:
 
     def __init__(self):
         self.iteration = None  # the open _Iteration
+        self.base = None  # the deferred iterations' (2, C) starting estimates, refilled by each one's first call
 
     def reset(self) -> None:
         """New buffers (a load, a move): the next call opens a new iteration."""
-        self.iteration = None
+        self.iteration = self.base = None
 
     def begin(self, buffers, rate, deferred: bool = False):
         """(this iteration's state, whether this call is a recomputation), opened on the iteration's first call;
@@ -110,7 +111,12 @@ class Estimates:
             return st, True
         if st is None or st.token != _TOKEN[0]:
             rm, rv, nbt = buffers
-            base = rm.new_empty(2, rm.shape[0]) if deferred else torch.stack([rm.detach(), rv.detach()])
+            if deferred:  # one tensor for every iteration (read by its own calls only, in stream order)
+                base = self.base
+                if base is None or base.dtype != rm.dtype or base.device != rm.device:
+                    base = self.base = rm.new_empty(2, rm.shape[0])
+            else:
+                base = torch.stack([rm.detach(), rv.detach()])
             st = self.iteration = _Iteration(_TOKEN[0], base, rate())
             if not deferred and nbt is not None:
                 nbt.add_(1)

@@ -253,3 +253,29 @@ def test_checkpointed_running_statistics_tracked_once(name, cp):
         torch.testing.assert_close(g1, g0, rtol=1e-10, atol=1e-12)
     for n in ref_buffers:
         torch.testing.assert_close(got_buffers[n], ref_buffers[n], rtol=1e-12, atol=1e-14, msg=n)
+
+
+@pytest.mark.parametrize('cls', [BatchChannelNorm2d, Unitization2d])
+def test_triton_iterations_across_dtype_moves_match_aten(cls):
+    """The Triton path keeps one tensor for its iterations' starting estimates (refilled by each iteration's first
+    call, read by its later calls): over iterations of two calls each, across moves to float32 and back, it
+    matches the ATen backend step for step."""
+    kw = dict(num_groups=4) if cls is BatchChannelNorm2d else {}
+    layers = {be: randomized(cls(8, mode='estimate', update_rate=0.3, backend=be, **kw).double()).train()
+              for be in ('triton', 'aten')}
+    torch.manual_seed(0)
+    for dtype in (torch.float64, torch.float32, torch.float64):
+        for _ in range(2):
+            xs = [torch.randn(2, 8, 3, 4, dtype=dtype) * 2 + 1, torch.randn(1, 8, 5, 2, dtype=dtype)]
+            outs = {}
+            if layers['aten'].running_mean.dtype != dtype:  # each phase from the same state (the last one's
+                for layer in layers.values():               # float32 rounding differs between the backends)
+                    layer.to(dtype)
+                layers['aten'].load_state_dict(layers['triton'].state_dict())
+            for be, layer in layers.items():
+                ys = [layer(x) for x in xs]
+                sum(y.square().sum() for y in ys).backward()  # ends the iteration
+                outs[be] = ys + [layer.running_mean.clone(), layer.running_var.clone()]
+            tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+            for a, b in zip(outs['triton'], outs['aten']):
+                torch.testing.assert_close(a, b, **tol)
