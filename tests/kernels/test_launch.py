@@ -163,6 +163,24 @@ def test_a_kept_launch_passes_what_the_normal_launch_binds(monkeypatch):
                              '_apply_kernel', '_sums_kernel', '_dx_kernel'}, compared
 
 
+def test_the_installed_triton_launcher_takes_an_integer_pointer():
+    """The kept launches pass some pointers as integer addresses: the installed Triton's CUDA launcher takes a Python
+    int for a pointer argument as the address itself (3.7: ``extractPointer`` in driver.c; 2.x to 3.6: the
+    generated launcher's ``getPointer``, a template in driver.py, with the same branch)."""
+    import os
+    import re
+    from triton.backends.nvidia import driver
+    folder = os.path.dirname(driver.__file__)
+    sources = [open(os.path.join(folder, name)).read() for name in ('driver.c', 'driver.py')
+               if os.path.exists(os.path.join(folder, name))]
+    function = re.compile(r'(?:getPointer|extractPointer)\([^)]*PyObject \*obj[^)]*\)\s*\{+(.*?)data_ptr', re.S)
+    bodies = [f.group(1) for src in sources for f in function.finditer(src)]
+    assert bodies, 'no pointer extraction found in the installed launcher'
+    integer = re.compile(r'if \(PyLong_Check\(obj\)\)\s*\{+\s*(?:ptr_info\.dev_ptr|\*dev_ptr) = '
+                         r'PyLong_AsUnsignedLongLong\(obj\);\s*return')
+    assert all(integer.search(body) for body in bodies), bodies
+
+
 # --- the engine's keys against Triton's specialization -----------------------------------------------------------
 def _specialization(kernel, args, consts):
     """Triton's specialization of a launch: per runtime argument what native_specialize_impl gives (the type, 16-byte
