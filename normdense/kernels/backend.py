@@ -205,11 +205,12 @@ class Statistics(NamedTuple):
     STATS_NONE), ESTIMATE's ``moved`` (2, C: the batch moments the estimates moved towards), ``update`` (the
     buffers' new values in the backend's own form, None: nothing to write), ``plan`` (a first stage the
     coefficient map runs in its own launch, ``first=``; None: the values are there), ``out`` (storage the
-    output may take, or None) and the request."""
+    output may take, or None) and the request. With a ``plan``, mean, var and update are the integer addresses
+    of the plan's buffer rows (the Triton path: what its kept launches pass), ``plan.outputs`` their tensors."""
     m: Tensor
     v: Tensor
-    mean: Optional[Tensor]
-    var: Optional[Tensor]
+    mean: Any
+    var: Any
     moved: Optional[Tensor]
     update: Any
     plan: Any

@@ -308,9 +308,11 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups: int, eps
     a = coeffs.data_ptr()
     args = (m, v, mean, var, bw, bb, w, b, a, a + n * c * coeffs.itemsize, n, c, num_groups, per, *fargs)
     if key is None or not _MAP.hit(grid, args, key):
+        if first is not None:  # the planned stage's mean, var come by address: the normal launch binds tensors
+            args = args[:2] + first.outputs[2:4] + args[4:]
         args = args[:8] + rows(coeffs, 2)[:2] + args[10:]
         _MAP.launch(grid, args, {**(fconst or fold_consts(first)), **consts}, key)
-    return coeffs, (m, v, mean, var, bw, bb, w, b, key)
+    return coeffs, (m, v, mean, var, bw, bb, w, b, key, first)
 
 
 def coeff_vjp(res, grads, wants_stats, *, num_groups: int, eps: float, group_affine: bool, defer: bool = False,
@@ -324,7 +326,7 @@ def coeff_vjp(res, grads, wants_stats, *, num_groups: int, eps: float, group_aff
     of the parameter gradients, for dx to sum; else they are summed here. ``defer`` (the engine's: dx follows)
     also returns dm, dv as one (2, N, C) buffer in dm's place, dv None (``triton.dx`` takes them so).
     ``chunk``, ``tile``: as coeff_map's."""
-    m, v, mean, var, bw, bb, w, b, key = res
+    m, v, mean, var, bw, bb, w, b, key, first = res
     # gA at the buffer's start, gB its own pointer argument (one derived in the kernel spills fp64 registers): its
     # address on a kept launch, a view on the normal one
     ga, gsplit, gstride, gk = grad_buffer(grads)
@@ -338,6 +340,7 @@ def coeff_vjp(res, grads, wants_stats, *, num_groups: int, eps: float, group_aff
     args = (m, v, mean, var, bw, bb, w, ga, ga.data_ptr() + gk * ga.itemsize, d, d + n * c * dmv.itemsize, dmean, dvar,
             dbw, dbb, dw, db, n, c, num_groups, per, gsplit, gstride, n_per, out.stride)
     if key is None or not _VJP.hit(grid, args, key):  # the forward's key: the VJP's arguments follow from it
-        args = args[:8] + (ga.select(1, 1), ) + rows(dmv, 2)[:2] + args[11:]
+        args = (args[:2] + (args[2:4] if first is None else first.outputs[2:4]) + args[4:8] + (ga.select(1, 1), ) +
+                rows(dmv, 2)[:2] + args[11:])
         _VJP.launch(grid, args, consts, key)
     return ((dmv, None) if defer else (dmv[0], dmv[1])) + out.result(defer)

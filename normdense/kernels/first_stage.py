@@ -9,6 +9,8 @@ WRITE, which also copies them to base; else base): the batch mean and second mom
 (two passes: the law of total variance, centred), tracked with the unbiased variance (``momentum`` or the
 cumulative 1 / (tracked + 1)). WRITE: the new running values (upd, (2, C)), which the apply kernel, the
 forward's last, copies into the buffers: a kernel failing to compile leaves the module's state as it was.
+mean, var and upd are the rows of one (4, C) buffer ``chan`` (mean, var, upd): one tensor object a call, whose
+rows the kept launches of the map and apply kernels take by address (``FirstStage``).
 Samples are taken in [BLOCK_N, BLOCK_C] tiles; block sizes are keyed on C only: a batch size never recompiles.
 """
 import functools
@@ -48,8 +50,10 @@ def channel_stats(F, N, C, L, CHUNK, SPLIT, WRITE, ch, cm, N_LO, N_HI, OWNER, MO
     """(mean, var) of the channels ``ch`` (a 1-D tile, ``cm`` its mask) by MODE, in ACC; writes m, v (N, C) of
     these channels for the samples [N_LO, N_HI), and mean, var. Where OWNER is nonzero (one program per
     channel), also moved, upd and base, as the module docstring says. F: ``FirstStage.pointers``."""
-    part_ptr, m_ptr, v_ptr, mean_ptr, var_ptr, stat_mean_ptr, stat_var_ptr, base_ptr, moved_ptr, upd_ptr, nbt_ptr, \
+    part_ptr, m_ptr, v_ptr, chan_ptr, stat_mean_ptr, stat_var_ptr, base_ptr, moved_ptr, nbt_ptr, \
         rate_hi, rate_lo, mom_hi, mom_lo = F
+    # chan (4, C): mean, var, upd (2 rows); each row's offset added to the channels' (no pointer kept per row: a
+    # register each, the fp64 map kernels' folds are at the cap)
     rate = from_hi_lo(rate_hi, rate_lo, ACC)
     momentum = from_hi_lo(mom_hi, mom_lo, ACC)
     ROWS = N * C
@@ -104,8 +108,8 @@ def channel_stats(F, N, C, L, CHUNK, SPLIT, WRITE, ch, cm, N_LO, N_HI, OWNER, MO
             if WRITE != 0:
                 tl.store(base_ptr + ch, bm, mask=cm)
                 tl.store(base_ptr + C + ch, bv, mask=cm)
-                tl.store(upd_ptr + ch, out_mean, mask=cm)
-                tl.store(upd_ptr + C + ch, out_var, mask=cm)
+                tl.store(chan_ptr + (ch + 2 * C), out_mean, mask=cm)
+                tl.store(chan_ptr + (ch + 3 * C), out_var, mask=cm)
     if MODE == 3:
         out_mean = s1 * inv_n
         for n0 in range(0, N, BLOCK_N):  # second pass: centred on the batch mean
@@ -124,14 +128,14 @@ def channel_stats(F, N, C, L, CHUNK, SPLIT, WRITE, ch, cm, N_LO, N_HI, OWNER, MO
                 unbiased = out_var * (k / (k - 1.0))
                 if CUMULATIVE:  # the weight 1 / (tracked + 1), as torch's lerp with it
                     w = 1.0 / (tl.load(nbt_ptr) + 1).to(ACC)
-                    tl.store(upd_ptr + ch, rm + (out_mean - rm) * w, mask=cm)
-                    tl.store(upd_ptr + C + ch, rv + (unbiased - rv) * w, mask=cm)
+                    tl.store(chan_ptr + (ch + 2 * C), rm + (out_mean - rm) * w, mask=cm)
+                    tl.store(chan_ptr + (ch + 3 * C), rv + (unbiased - rv) * w, mask=cm)
                 else:
-                    tl.store(upd_ptr + ch, rm + momentum * (out_mean - rm), mask=cm)
-                    tl.store(upd_ptr + C + ch, rv + momentum * (unbiased - rv), mask=cm)
+                    tl.store(chan_ptr + (ch + 2 * C), rm + momentum * (out_mean - rm), mask=cm)
+                    tl.store(chan_ptr + (ch + 3 * C), rv + momentum * (unbiased - rv), mask=cm)
     if MODE != 0:
-        tl.store(mean_ptr + ch, out_mean, mask=cm)
-        tl.store(var_ptr + ch, out_var, mask=cm)
+        tl.store(chan_ptr + ch, out_mean, mask=cm)
+        tl.store(chan_ptr + (ch + C), out_var, mask=cm)
     return out_mean, out_var
 
 
@@ -167,31 +171,38 @@ def stat_blocks(c: int, dtype=torch.float32):
 
 
 class FirstStage:
-    """One call's first stage, planned: its outputs allocated (``outputs``: m, v, mean, var, moved, upd as
-    :func:`stats` returns them) and its launch arguments ready, either for the standalone kernel
-    (:meth:`launch`) or for a coefficient kernel that runs :func:`fold` itself (:func:`fold_args`). ``args``:
-    the tuple F of pointers and float pairs that :func:`channel_stats` unpacks; ``sizes``: (L, CHUNK, SPLIT,
-    WRITE), integers kept out of the tuple (Triton specializes a tuple's integers, do_not_specialize or not)."""
+    """One call's first stage, planned: its outputs allocated and its launch arguments ready, either for the
+    standalone kernel (:meth:`launch`) or for a coefficient kernel that runs :func:`fold` itself
+    (:func:`fold_args`). ``m``, ``v`` (N, C), ``moved`` (2, C, ESTIMATE) are tensors; ``mean``, ``var`` and
+    ``update`` are the integer addresses of the rows of ``chan`` (4, C) (None where the mode has none), which a
+    kept launch passes as they are (``launch.Launcher``); ``outputs``: all six as tensors, as :func:`stats`
+    returns them (views of ``chan``: a normal launch's arguments, torch code). ``args``: the tuple F of pointers
+    and float pairs that :func:`channel_stats` unpacks; ``sizes``: (L, CHUNK, SPLIT, WRITE), integers kept out of
+    the tuple (Triton specializes a tuple's integers, do_not_specialize or not)."""
 
-    __slots__ = ('outputs', 'fold', 'key', 'mode', 'momentum', 'shape', 'geometry')
+    __slots__ = ('m', 'v', 'chan', 'moved', 'mean', 'var', 'update', 'fold', 'key', 'mode', 'momentum', 'shape',
+                 'geometry')
 
     def __init__(self, part, split, chunk, shape, mode=STATS_NONE, stat_mean=None, stat_var=None, base=None,
                  rate=0.0, momentum=0.1, write=False, nbt=None, key=None):
         n, c, length = shape
-        # one allocation each, integer sizes: cheaper on the host than views of a shared one
-        m, v = part.new_empty(n, c), part.new_empty(n, c)
-        mean = var = moved = None
-        if mode != STATS_NONE:
-            mean, var = part.new_empty(c), part.new_empty(c)
+        # integer sizes: a tuple costs the host twice as much
+        m = self.m = part.new_empty(n, c)
+        self.v = part.new_empty(n, c)
+        chan = moved = self.mean = self.var = self.update = None
+        if mode != STATS_NONE:  # mean, var, upd: one tensor object, its rows by address
+            chan = part.new_empty(4, c)
+            p, step = chan.data_ptr(), c * chan.itemsize
+            self.mean, self.var = p, p + step
+            if write:
+                self.update = p + 2 * step
         if mode == STATS_ESTIMATE:
             moved = part.new_empty(2, c)
-        upd = part.new_empty(2, c) if write else None
-        self.outputs = (m, v, mean, var, moved, upd)
+        self.chan, self.moved = chan, moved
         self.mode, self.momentum, self.shape = mode, momentum, shape
         f = m  # the unused pointers' stand-in (no generator: this runs on every training call)
-        args = (part, m, v, f if mean is None else mean, f if var is None else var,
-                f if stat_mean is None else stat_mean, f if stat_var is None else stat_var,
-                f if base is None else base, f if moved is None else moved, f if upd is None else upd,
+        args = (part, m, self.v, f if chan is None else chan, f if stat_mean is None else stat_mean,
+                f if stat_var is None else stat_var, f if base is None else base, f if moved is None else moved,
                 f if nbt is None else nbt, *hi_lo(rate), *hi_lo(0.0 if momentum is None else momentum))
         # a map kernel's runtime fold arguments (F, fL, fCHUNK, fSPLIT, fWRITE): the only tuple built per call
         self.fold = (args, length, chunk, split, 1 if write else 0)
@@ -201,7 +212,15 @@ class FirstStage:
     # what the launches read on a miss or in the standalone kernel only: derived, not stored per call
     args = property(lambda self: self.fold[0])
     sizes = property(lambda self: self.fold[1:])
-    dtype = property(lambda self: self.outputs[0].dtype)  # m's, the partials' dtype
+    dtype = property(lambda self: self.m.dtype)  # the partials' dtype
+
+    @property
+    def outputs(self):
+        """(m, v, mean, var, moved, upd) as tensors, mean, var and upd views of ``chan`` (None where absent)."""
+        chan = self.chan
+        if chan is None:
+            return self.m, self.v, None, None, self.moved, None
+        return self.m, self.v, chan[0], chan[1], self.moved, None if self.update is None else chan[2:]
     cumulative = property(lambda self: self.mode == STATS_BATCH and self.momentum is None)
     acc = property(lambda self: tl.float64 if self.dtype == torch.float64 else tl.float32)
 
@@ -228,7 +247,7 @@ def fold_args(first, like):
     """(runtime arguments F, fL, fCHUNK, fSPLIT, fWRITE; constexprs) of a coefficient kernel's fold: ``first``
     (a :class:`FirstStage`) folded in, or with ``first`` None placeholders (``like``: any tensor) and FOLD off."""
     if first is None:
-        return ((like, ) * 11 + (0.0, ) * 4, 1, 1, 1, 0), \
+        return ((like, ) * 9 + (0.0, ) * 4, 1, 1, 1, 0), \
             dict(FOLD=False, FMODE=STATS_NONE, FCUM=False, FBLOCK_N=1, FBLOCK_C=1)
     block_n, block_c = stat_blocks(first.shape[1], first.dtype)
     return (first.args, ) + first.sizes, dict(FOLD=True, FMODE=first.mode, FCUM=first.cumulative,

@@ -204,8 +204,10 @@ def apply(x3, m, v, coeffs, act=None, out_dtype=None, write=None, nbt=None, spli
     return _apply(x3, cl, m, v, stacked(coeffs), _act(act), out_dtype, write, nbt, split, key)
 
 
-def _apply(x3, cl, m, v, coeffs, act, out_dtype, write, nbt, split=None, key=None, out=None, g=None):
-    """``g``: the moments pass's geometry, for a y of x3's dtype (else computed here)."""
+def _apply(x3, cl, m, v, coeffs, act, out_dtype, write, nbt, split=None, key=None, out=None, first=None):
+    """``first``: the engine's planned first stage (``first_stage.FirstStage``): its geometry (the moments
+    pass's, for a y of x3's dtype; else computed here), the tensor of its update's address (``write[0]``)."""
+    g = None if first is None else first.geometry
     act_id = act[0]
     if out is not None:  # the engine's (x3's shape and layout, out_dtype)
         y = out
@@ -222,7 +224,8 @@ def _apply(x3, cl, m, v, coeffs, act, out_dtype, write, nbt, split=None, key=Non
     args = (x3, y, m, v, a, a + step, k, l_, upd, rm, rv, m if nbt is None else nbt, g.c, g.length, g.chunk,
             int(write is not None), int(nbt is not None), act[1], act[2], act[3], act[4])
     if key is None or not _APPLY.hit(g.grid, args, key):
-        args = args[:4] + rows(coeffs, 4 if act_id >= 0 else 2) + args[8:]
+        args = args[:4] + rows(coeffs, 4 if act_id >= 0 else 2) + \
+            (first.outputs[5] if isinstance(upd, int) else upd, ) + args[9:]
         _APPLY.launch(g.grid, args, {'ACT': act_id, 'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v, 'SMALL': g.small,
                                      'CL': cl, 'ACC': acc_dtype(x3.dtype)}, key)
     return y
@@ -282,9 +285,9 @@ def dx(x3, dy, m, v, coeffs, dm, dv, gsum, act=None, batch=None, finish=None, sp
 
 
 def _dx(x3, cl, dy, m, v, coeffs, dmv, gsum, act, batch=None, finish=None, split=None,
-        finish_block=FINISH_BLOCK.value, key=None, g=None):
-    """``coeffs``, ``dmv`` (dm and dv) as ``common.stacked`` makes them; ``g``: as :func:`_apply`'s, for a dy of
-    x3's dtype."""
+        finish_block=FINISH_BLOCK.value, key=None, g=None, first=None):
+    """``coeffs``, ``dmv`` (dm and dv) as ``common.stacked`` makes them; ``g``: the moments pass's geometry, for
+    a dy of x3's dtype; ``first``: the planned first stage whose mean's address ``batch`` may hold."""
     act_id = act[0]
     out = torch.empty_like(x3)  # x3's shape (the engine's: x's), dtype and layout
     if g is None or dy.dtype != x3.dtype:
@@ -305,7 +308,8 @@ def _dx(x3, cl, dy, m, v, coeffs, dmv, gsum, act, batch=None, finish=None, split
             mean, dmean, dvar, src, dst, g.c, g.length, g.chunk, goff, gsplit, gstride, bsplit, bstride, fin_p, fin_sb,
             fin_stride, *hi_lo(scale), act[1], act[2], act[3], act[4])
     if key is None or not _DX.hit(g.grid, args, key):
-        args = args[:5] + rows(coeffs, 4 if act_id >= 0 else 2)[:3] + rows(dmv, 2)[:2] + args[10:]
+        args = args[:5] + rows(coeffs, 4 if act_id >= 0 else 2)[:3] + rows(dmv, 2)[:2] + args[10:11] + \
+            (first.outputs[2] if isinstance(mean, int) else mean, ) + args[12:]
         _DX.launch(g.grid, args, {'ACT': act_id, 'BATCH': batch is not None, 'BLOCK': g.block, 'BLOCK_C': g.block_c,
                                   'V': g.v, 'SMALL': g.small, 'CL': cl, 'ACC': acc_dtype(x3.dtype),
                                   'FINISH': fin_p > 0}, key)
@@ -337,8 +341,9 @@ class TritonBackend:
         plan = FirstStage(partials, g.grid[1], g.chunk, (g.n, g.c, g.length), r.mode, r.stat_mean, r.stat_var,
                           r.base, r.rate, r.momentum, r.write, r.nbt, r.key)
         plan.geometry = g  # the later passes' where y and dy have x3's dtype
-        m, v, mean, var, moved, upd = plan.outputs if deferred else plan.launch()
-        return x3, Statistics(m, v, mean, var, moved, upd, plan if deferred else None, None, request)
+        if deferred:  # mean, var and the update by address (the kept launches take them so; ``FirstStage``)
+            return x3, Statistics(plan.m, plan.v, plan.mean, plan.var, plan.moved, plan.update, plan, None, request)
+        return x3, Statistics(*plan.launch(), None, None, request)
 
     @staticmethod
     def prepare(coeffs, v):
@@ -351,7 +356,7 @@ class TritonBackend:
         write = None if stats.update is None else (stats.update, request.stat_mean, request.stat_var)
         first = stats.plan
         y = _apply(x3, not x3.is_contiguous(), stats.m, stats.v, pc, act or _NO_ACT, out_dtype, write, request.nbt,
-                   key=request.key, out=out, g=None if first is None else first.geometry)
+                   key=request.key, out=out, first=first)
         if first is not None:
             first.fold = None  # the map's launch ran it: the moments' partials go (the record may live to backward)
         return y, pc
@@ -383,7 +388,7 @@ class TritonBackend:
         if merged:  # the torch VJP's dm, dv (separate, maybe strided) and merged sums
             grads = grads[1]
         return _dx(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, dm if dv is None else stacked((dm, dv)), grads,
-                   act or _NO_ACT, batch, pending, key=key, g=g)
+                   act or _NO_ACT, batch, pending, key=key, g=g, first=stats.plan)
 
     @staticmethod
     def act_form(act):

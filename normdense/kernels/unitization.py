@@ -238,9 +238,11 @@ def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None,
     args = (m, v, mean, var, alpha, w if affine else alpha, b if affine else alpha, a, a + N * C * coeffs.itemsize, p,
             rs, N, C, *split, *fargs)
     if key is None or not _MAP.hit(grid, args, key):
+        if first is not None:  # the planned stage's mean, var come by address: the normal launch binds tensors
+            args = args[:2] + first.outputs[2:4] + args[4:]
         args = args[:7] + rows(coeffs, 2)[:2] + args[9:]
         _MAP.launch(grid, args, {**consts, **(fconst or fold_consts(first))}, key)
-    return coeffs, (m, v, mean, rs, alpha, w if affine else None, p, split, key)
+    return coeffs, (m, v, mean, rs, alpha, w if affine else None, p, split, key, first)
 
 
 def coeff_vjp(res, grads, wants_stats, *, affine, defer=False):
@@ -252,7 +254,7 @@ def coeff_vjp(res, grads, wants_stats, *, affine, defer=False):
     ``defer`` returns their partials, dmean, dvar (SB, C) and a ``BlockSums`` in place of the parameter
     gradients, for dx to sum; else they are summed here. ``defer`` (the engine's: dx follows) also returns
     dm, dv as one (2, N, C) buffer in dm's place, dv None (``triton.dx`` takes them so)."""
-    m, v, mean, rs, alpha, w, p, split, key = res
+    m, v, mean, rs, alpha, w, p, split, key, first = res
     g, gsplit, gstride, gk = grad_buffer(grads)
     N, C = m.shape
     _, _, grid, blocks, n_per, consts = _launch_plan(N, C, m.dtype, affine, bool(wants_stats))
@@ -263,6 +265,6 @@ def coeff_vjp(res, grads, wants_stats, *, affine, defer=False):
     args = (m, v, mean, rs, alpha, w if affine else alpha, p, g, d, d + N * C * dmv.itemsize, dmean, dvar, dalpha, dw,
             db, N, C, gsplit, gstride, gk, n_per, out.stride, *split[2:])
     if key is None or not _VJP.hit(grid, args, key):  # the forward's key: the VJP's arguments follow from it
-        args = args[:8] + rows(dmv, 2)[:2] + args[10:]
+        args = args[:2] + (mean if first is None else first.outputs[2], ) + args[3:8] + rows(dmv, 2)[:2] + args[10:]
         _VJP.launch(grid, args, consts, key)
     return ((dmv, None) if defer else (dmv[0], dmv[1])) + out.result(defer)

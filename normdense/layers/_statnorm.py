@@ -417,6 +417,8 @@ def _backward_or_fallback(ctx, dy):
                              autocast=True, direct=False, act=plan.activation)
         ctx.call = call = call._replace(plan=aten, maps=plan.torch_maps, kernel_maps=False)
         stats = ctx.stats
+        if stats.plan is not None:  # a planned stage's mean and var are addresses (the Triton path): its tensors
+            stats = ctx.stats = Statistics(*stats.plan.outputs, None, None, stats.request)
         coeffs, ctx.res = call.maps[0](stats.m, stats.v, stats.mean, stats.var, ctx.params, length, call.count)
         ctx.pc = AtenBackend.prepare(coeffs, stats.v)
         with _no_autocast(x3.device.type):  # dy as ATen's passes take it (x3's dtype: x converted for the plan)
