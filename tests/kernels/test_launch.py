@@ -121,8 +121,9 @@ def test_the_installed_triton_launcher_fits():
 
 def test_a_kept_launch_passes_what_the_normal_launch_binds(monkeypatch):
     """The engine's kept launches pass the rows of its stacked buffers (coefficients, [dm; dv], gB, the first
-    stage's mean, var and update) as integer addresses: for every launch of a training step, each such integer is the data_ptr of the tensor the normal
-    launch of the same call binds in its place, and every other argument is the same object or value."""
+    stage's mean, var and update) as integer addresses: for every launch of a training step, each such integer is
+    the data_ptr of the tensor the normal launch of the same call binds in its place, and every other argument is
+    the same object or value."""
     if L.stubbed():
         pytest.skip('stub_launches active elsewhere')
     kept, normal = [], []
