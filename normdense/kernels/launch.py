@@ -45,7 +45,8 @@ class Launcher:
     launch, and builds ``consts`` only then. ``args``: the runtime arguments in the kernel's order; ``consts``: its
     constexprs by name, then options (num_warps). A kept launch may take an integer address for a pointer
     (Triton's launcher passes one as it is): a row of a stacked buffer, without a tensor object for it
-    (``common.rows``); the normal launch then takes tensors (``kernel[grid]`` would read an integer as one)."""
+    (``common.stacked``); the normal launch then takes tensors, the rows' views (``common.rows``:
+    ``kernel[grid]`` would read an integer as one)."""
     __slots__ = ('kernel', 'cache', 'name')
 
     def __init__(self, kernel):
