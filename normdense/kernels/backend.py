@@ -253,6 +253,10 @@ class Backend(Protocol):
         """(x3 as the passes read it, the first stage): the moments, and the statistics computed now or (where
         ``deferred`` and the backend can) planned for the coefficient map's launch."""
 
+    def read_input(self, x3: Tensor) -> Tensor:
+        """x3 as :meth:`first_stage` returns it for the passes (itself where they read its layout, else a copy):
+        the backward makes it again from the saved input where the forward's was a copy."""
+
     def prepare(self, coeffs: tuple, v: Tensor) -> Any:
         """The coefficients as the passes take them."""
 

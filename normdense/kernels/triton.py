@@ -345,6 +345,8 @@ class TritonBackend:
             return x3, Statistics(plan.m, plan.v, plan.mean, plan.var, plan.moved, plan.update, plan, None, request)
         return x3, Statistics(*plan.launch(), None, None, request)
 
+    read_input = staticmethod(as_read)
+
     @staticmethod
     def prepare(coeffs, v):
         return stacked(coeffs)  # the kernels mask A where v = 0 themselves

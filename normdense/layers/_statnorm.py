@@ -30,6 +30,7 @@ from ..kernels.backend import (STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, Pending
                                autocast_on, exporting, give_up_triton, ncl)
 from ._distributed import synced_batch_moments, synced_batch_moments_vjp
 from ._estimate import _TASK_ID, _TOKEN, in_backward, mark_iteration, mark_on_backward
+from ._statnorm_graph import graph_backward, tensor_stats
 from ._statnorm_state import StatNormState
 
 _DIST = dist.is_available()
@@ -129,6 +130,11 @@ class StatNorm2d(StatNormState):
         if name not in _PER_CALL:  # a configuration, parameter or buffer changed: plan anew
             self.__dict__['_plans'] = {}
 
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state['_plans'] = {}  # a plan is made for this process (a backend's activation form holds lambdas)
+        return state
+
     def __setstate__(self, state):
         super().__setstate__(state)
         self.__dict__['_plans'] = {}  # checkpoints and copies pickled before plans existed have none
@@ -158,8 +164,11 @@ class StatNorm2d(StatNormState):
         compiling = torch.compiler.is_compiling()
         if exporting(compiling):  # a graph recorded for another runtime: standard ops, eval mode only
             return self._export_form(x)
-        if self.fused and self._fusable(x):
+        # under torch.func's transforms (vmap, grad, jacrev, ...): the reference composition, which they see through
+        if self.fused and self._fusable(x) and (compiling or not _transforms_active()):
             return self._statnorm_forward(x, compiling)
+        if not compiling and self.training and self._FIRST_STAGE and _transforms_active():
+            _refuse_vmap_in_training(self)
         return self._reference(x)
 
     def _check_input(self, x: torch.Tensor) -> None:
@@ -259,16 +268,16 @@ class StatNorm2d(StatNormState):
             if p is not None and p.requires_grad:
                 needs_grad = True
         if keep is None and needs_grad and torch.is_grad_enabled():
-            shape = x.shape
-            if not plan.direct:  # ATen: y in the moments' storage (N, C, L), viewed in x's shape outside
-                x = x.reshape(shape[0], shape[1], -1)
-            if torch._C._are_functorch_transforms_active():  # they need Function.apply's Python
-                y = _StatNormFn.apply(x, self, plan, synced, *params)
-            else:  # the C entry: Function.apply's Python (bound arguments, dead-wrapper unwrapping) skipped
-                y = _base_apply(x if _unwrap_if_dead is None else _unwrap_if_dead(x), self, plan, synced, *params)
-            return y if plan.direct else y.view(*shape)
+            if plan.direct:  # the C entry: Function.apply's Python (bound arguments, dead-wrapper unwrapping) skipped
+                return _base_apply(x if _unwrap_if_dead is None else _unwrap_if_dead(x), self, plan, synced, *params)
+            shape = x.shape  # ATen: y in the moments' storage (N, C, L), viewed in x's shape outside
+            x3 = x.reshape(shape[0], shape[1], -1)
+            y = _base_apply(x3 if _unwrap_if_dead is None else _unwrap_if_dead(x3), self, plan, synced, *params)
+            y = y.view(*shape)
+            return y if x.is_contiguous() else _in_layout_of(y, x)
         if keep is None:  # eval / no_grad: nothing kept
-            return self._step(None, x, plan, synced, params)
+            y = self._step(None, x, plan, synced, params)
+            return y if plan.direct or x.is_contiguous() else _in_layout_of(y, x)
         ctx = _OpContext()
         y = self._step(ctx, x, plan, synced, params)
         keep.append((ctx, _op_backward))
@@ -278,8 +287,9 @@ class StatNorm2d(StatNormState):
         """y in x's shape, a tensor of its own (not a view: a residual ``+=`` modifies it in place): the first
         stage, the coefficient map, the output pass; with ``ctx`` (the Function's) what the backward needs."""
         shape = x.shape
-        # the kernel maps' backend takes x as it is (an (N, C, L) view costs a step ~4 us), ATen the view
-        x3 = view = x if plan.direct else x.reshape(shape[0], shape[1], -1)
+        # the kernel maps' backend takes x as it is (an (N, C, L) view costs a step ~4 us), ATen the view (made
+        # by _run already where the Function takes x)
+        x3 = view = x if plan.direct or len(shape) == 3 else x.reshape(shape[0], shape[1], -1)
         if plan.convert:
             x3 = view = x3.to(plan.cd)  # e.g. float32 x with float64 parameters
         key = None
@@ -303,8 +313,11 @@ class StatNorm2d(StatNormState):
                 torch.empty_like(x, dtype=plan.out_dtype)
         y, pc = plan.backend.apply(x3, stats, coeffs, plan.act, plan.out_dtype, out)
         if ctx is not None:
-            ctx.save_for_backward(x3)  # x only: channel-sized tensors are kept as attributes
+            # the input only (channel-sized tensors are kept as attributes): a double backward differentiates
+            # through it, and where the passes read a copy (a dtype or layout they take) the backward makes it again
+            ctx.save_for_backward(x)
             ctx.call, ctx.res, ctx.params, ctx.pc, ctx.shape = call, res, params, pc, shape
+            ctx.remake = x3 is not x
             # without the output storage (not kept alive); a planned stage stays (its outputs, its geometry; the
             # backend drops its partials once they are read)
             ctx.stats = stats if stats.out is None else \
@@ -400,6 +413,8 @@ def _backward_or_fallback(ctx, dy):
     x3, = ctx.saved_tensors
     call = ctx.call
     plan = call.plan
+    if ctx.remake:  # x3 as the forward's passes read it
+        x3 = _passes_input(x3, plan)
     dy = plan.backend.grad_layout(dy, x3)  # dy may be expanded (a sum's grad); once for both passes
     try:
         if not call.kernel_maps and autocast_on(x3.device.type):  # torch code between the passes
@@ -416,9 +431,7 @@ def _backward_or_fallback(ctx, dy):
         aten = plan._replace(backend=AtenBackend, errors=(), maps=plan.torch_maps, device=None, cuda=None,
                              autocast=True, direct=False, act=plan.activation)
         ctx.call = call = call._replace(plan=aten, maps=plan.torch_maps, kernel_maps=False)
-        stats = ctx.stats
-        if stats.plan is not None:  # a planned stage's mean and var are addresses (the Triton path): its tensors
-            stats = ctx.stats = Statistics(*stats.plan.outputs, None, None, stats.request)
+        stats = ctx.stats = tensor_stats(ctx.stats)
         coeffs, ctx.res = call.maps[0](stats.m, stats.v, stats.mean, stats.var, ctx.params, length, call.count)
         ctx.pc = AtenBackend.prepare(coeffs, stats.v)
         with _no_autocast(x3.device.type):  # dy as ATen's passes take it (x3's dtype: x converted for the plan)
@@ -443,8 +456,9 @@ class _StatNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        if torch.is_grad_enabled():  # create_graph: gradients that refuse a second differentiation
-            return _once(ctx, dy)
+        grad_mode = torch.is_grad_enabled()  # create_graph
+        if grad_mode or _is_legacy_batched(dy) or _transforms_active():  # batched cotangents: is_grads_batched
+            return _graph_backward(ctx, dy, grad_mode)
         return _plain_backward(ctx, dy)
 
 
@@ -457,8 +471,47 @@ def _plain_backward(ctx, dy):
     return (dx, None, None, None, *dparams)
 
 
-_once = torch.autograd.function.once_differentiable(_plain_backward)
+def _graph_backward(ctx, dy, create_graph):
+    """The backward as autograd of the call's torch composition (``_statnorm_graph.py``): differentiable, and
+    batched cotangents welcome; the estimate iteration ends as in the plain backward."""
+    x, = ctx.saved_tensors
+    with _no_autocast(x.device.type):
+        dx, dparams = graph_backward(ctx, x, dy, create_graph)
+    if ctx.call.ends_iteration:
+        mark_iteration()
+    return (dx, None, None, None, *dparams)
+
+
+def _passes_input(x, plan: _Plan):
+    """x3 as the forward's passes read it, made again from the Function's input x: in the compute dtype, (N, C, L)
+    on the ATen path, in a layout the passes read."""
+    x3 = x if plan.direct or x.dim() == 3 else x.reshape(*ncl(x))
+    if plan.convert:
+        x3 = x3.to(plan.cd)
+    return plan.backend.read_input(x3)
+
+
+_is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
+_transforms_active = torch._C._are_functorch_transforms_active
 _base_apply = super(torch.autograd.Function, _StatNormFn).apply  # the C apply: Function.apply's Python skipped
+
+
+def _in_layout_of(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The ATen path's output (NCHW: its passes read (N, C, L) rows) in x's memory format where x is channels_last,
+    as nn.BatchNorm2d and nn.GroupNorm return it."""
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return y.contiguous(memory_format=torch.channels_last)
+    return y
+
+
+def _refuse_vmap_in_training(layer) -> None:
+    """A one-line error for vmap over a training call: the statistics update buffers in place, which vmap cannot
+    batch (torch refuses nn.BatchNorm2d so too)."""
+    from torch._C._functorch import TransformType, get_interpreter_stack
+    if any(i.key() == TransformType.Vmap for i in get_interpreter_stack() or ()):
+        raise RuntimeError(f'{type(layer).__name__} under torch.func.vmap in training mode: its training call '
+                           f'updates the running statistics in place, which vmap cannot batch; call .eval() first '
+                           f'(eval uses fixed statistics), or take the statistics out of the vmapped function')
 
 
 def _reshaped_base(y: torch.Tensor, shape) -> torch.Tensor:

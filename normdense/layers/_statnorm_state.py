@@ -29,15 +29,17 @@ class StatNormState(nn.Module):
     _version = 2  # 2: num_batches_tracked for every layer with a first stage (BCN's checkpoints of 1 lack it)
 
     def _init_statnorm(self, num_features: int, mode: Optional[str], sync_stats: bool, fused: bool,
-                       backend: Optional[str], momentum=None) -> None:
+                       backend: Optional[str], momentum=None, device=None, dtype=None) -> None:
         self.mode, self.sync_stats, self.momentum = mode, bool(sync_stats), momentum
         self.fused = bool(fused)
         self.backend = check_backend(backend, f'{type(self).__name__} backend')
         self._estimates = Estimates()
         if self._FIRST_STAGE:  # 'batch': eval statistics; 'estimate': the estimates mu_hat, sigma_hat^2
-            self.register_buffer('running_mean', torch.zeros(num_features))
-            self.register_buffer('running_var', torch.ones(num_features))
-            self.register_buffer('num_batches_tracked', torch.tensor(0, dtype=torch.long))
+            if mode == 'estimate' and dtype in _HALF:  # as .half() leaves them (the class docstring)
+                dtype = torch.float32
+            self.register_buffer('running_mean', torch.zeros(num_features, device=device, dtype=dtype))
+            self.register_buffer('running_var', torch.ones(num_features, device=device, dtype=dtype))
+            self.register_buffer('num_batches_tracked', torch.tensor(0, dtype=torch.long, device=device))
 
     def _reset_statnorm_buffers(self) -> None:
         self.running_mean.zero_()

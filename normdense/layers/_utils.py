@@ -27,11 +27,12 @@ def standardization_affine(mean: torch.Tensor, var: torch.Tensor, eps: float, we
     return scale, shift
 
 
-def affine_parameters(module: nn.Module, num_features: int, affine: bool) -> None:
-    """``weight`` (ones) and ``bias`` (zeros) per channel, or both registered as None without affine."""
+def affine_parameters(module: nn.Module, num_features: int, affine: bool, device=None, dtype=None) -> None:
+    """``weight`` (ones) and ``bias`` (zeros) per channel on ``device`` in ``dtype``, or both registered as None
+    without affine."""
     if affine:
-        module.weight = nn.Parameter(torch.ones(num_features))
-        module.bias = nn.Parameter(torch.zeros(num_features))
+        module.weight = nn.Parameter(torch.ones(num_features, device=device, dtype=dtype))
+        module.bias = nn.Parameter(torch.zeros(num_features, device=device, dtype=dtype))
     else:
         module.register_parameter('weight', None)
         module.register_parameter('bias', None)

@@ -54,16 +54,18 @@ def coeff_map(cfg, m, v, mean, var, params, positions, count):
     wv, bv = (w.view(g, 1), b.view(g, 1)) if cfg.group_affine else (w.view(g, per), b.view(g, per))
     s = r * wv
     coeffs = (s * a.view(g, per)).view(n, c), torch.addcmul(bv, s, d).view(n, c)
-    return coeffs, (rs, a, a2, mc, v, d, r, wv, s, bw)
+    # w, not its view: a view held by the backward's state pins the parameter (swap_tensors refuses to move it)
+    return coeffs, (rs, a, a2, mc, v, d, r, w, s, bw)
 
 
 def coeff_vjp(cfg, res, grads, wants_stats):
     """Closed-form VJP of :func:`coeff_map`: (dm, dv, dmean, dvar, d(batch_weight, batch_bias, weight, bias))."""
-    rs, a, a2, mc, v, d, r, wv, s, bw = res
+    rs, a, a2, mc, v, d, r, w, s, bw = res
     ga, gb = grads
     n, c = ga.shape
     g = cfg.num_groups
     per = c // g
+    wv = w.view(g, 1) if cfg.group_affine else w.view(g, per)
     ga3, gb3 = ga.view(n, g, per), gb.view(n, g, per)
     gs = torch.addcmul(ga3 * a.view(g, per), gb3, d)
     if cfg.group_affine:
@@ -104,6 +106,7 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
         group_affine: per-group channel-stage affine, shape (G,) (Eq. 42, default); False: per channel.
         fused: one pass with an analytic backward keeping only the input (default); False: the reference ops.
         backend: ``'aten'``, ``'triton'``, ``'auto'`` or None (``$NORMDENSE_BACKEND``, else auto); docs/gpu.md.
+        device, dtype: of the parameters and buffers, as torch.nn's layers take them (``skip_init``, meta init).
     """
     _abbr_ = 'bcn'
     _SYNC_BATCH = True
@@ -111,7 +114,7 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
     def __init__(self, num_features: int, num_groups: Union[int, str, None] = None, mode: str = 'estimate',
                  eps: float = 1e-5, momentum: float = 0.1, update_rate: Optional[float] = None,
                  sync_stats: Optional[bool] = None, group_affine: bool = True, fused: bool = True,
-                 backend: Optional[str] = None, channels_per_group: Optional[int] = None):
+                 backend: Optional[str] = None, channels_per_group: Optional[int] = None, device=None, dtype=None):
         if mode not in BCN_MODES:
             raise ValueError(f'BCN mode must be one of {BCN_MODES}, got {mode!r}')
         policy = group_policy(num_groups, channels_per_group)
@@ -121,18 +124,19 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum <= 1.0:
             raise ValueError(f'BCN momentum (batch mode\'s running statistics) must be a number in [0, 1], '
                              f'got {momentum!r}')
-        super().__init__(num_groups, num_features, eps=eps, affine=False)
+        super().__init__(num_groups, num_features, eps=eps, affine=False, device=device, dtype=dtype)
         self._init_estimate_rate(mode, update_rate)
         self.group_affine = group_affine
         self.group_policy = policy
         # the channel stage keeps GroupNorm's names so GN checkpoints load
         affine_shape = num_groups if group_affine else num_features
-        self.weight = nn.Parameter(torch.ones(affine_shape))
-        self.bias = nn.Parameter(torch.zeros(affine_shape))
-        self.batch_weight = nn.Parameter(torch.ones(num_features))
-        self.batch_bias = nn.Parameter(torch.zeros(num_features))
+        factory = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.ones(affine_shape, **factory))
+        self.bias = nn.Parameter(torch.zeros(affine_shape, **factory))
+        self.batch_weight = nn.Parameter(torch.ones(num_features, **factory))
+        self.batch_bias = nn.Parameter(torch.zeros(num_features, **factory))
         self._init_statnorm(num_features, mode, (mode == 'estimate') if sync_stats is None else sync_stats, fused,
-                            backend, momentum)
+                            backend, momentum, **factory)
 
     def _batch_stage(self, x):
         if self.mode == 'estimate':

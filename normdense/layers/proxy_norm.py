@@ -155,6 +155,7 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
         proxy_affine: learn beta~, gamma~ (init 0); False: the "omitted" variant of App. A.3.3 (Y ~ N(0, 1)).
         fused: one pass with an analytic backward keeping only the input (default); False: the reference ops.
         backend: ``'aten'``, ``'triton'``, ``'auto'`` or None (``$NORMDENSE_BACKEND``, else auto); docs/gpu.md.
+        device, dtype: of the parameters, as torch.nn's layers take them (``skip_init``, meta init).
     """
     # build_norm_layer names it 'gn1', 'gn2', ... as in GN models, so GN checkpoints map by key
     _abbr_ = 'gn'
@@ -170,7 +171,9 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
                  proxy_affine: bool = True,
                  fused: bool = True,
                  backend: Optional[str] = None,
-                 channels_per_group: Optional[int] = None):
+                 channels_per_group: Optional[int] = None,
+                 device=None,
+                 dtype=None):
         if (isinstance(num_channels, bool) or not isinstance(num_channels, int)
                 or num_channels <= 0):
             raise ValueError(f'GNPN: num_channels must be a positive int, got {num_channels!r}')
@@ -184,7 +187,7 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
             raise ValueError(f'GNPN: proxy_eps must be >= 0, got {proxy_eps!r}')
         act_name, act_kwargs = _resolve_activation(act)
         self._proxy_ready = False  # GroupNorm.__init__ calls reset_parameters before our params
-        super().__init__(num_groups, num_channels, eps=eps, affine=True)
+        super().__init__(num_groups, num_channels, eps=eps, affine=True, device=device, dtype=dtype)
         self.act = act_name
         self.group_policy = policy
         self.act_kwargs = act_kwargs
@@ -194,8 +197,8 @@ class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
         self.proxy_affine = bool(proxy_affine)
         self._init_statnorm(num_channels, None, False, fused, backend)
         if self.proxy_affine:
-            self.proxy_beta = nn.Parameter(torch.zeros(num_channels))
-            self.proxy_gamma = nn.Parameter(torch.zeros(num_channels))
+            self.proxy_beta = nn.Parameter(torch.zeros(num_channels, device=device, dtype=dtype))
+            self.proxy_gamma = nn.Parameter(torch.zeros(num_channels, device=device, dtype=dtype))
         else:
             self.register_parameter('proxy_beta', None)
             self.register_parameter('proxy_gamma', None)

@@ -126,13 +126,15 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
         var_correction: ``'none'`` (the paper) or ``'keras'`` (training batch variance times m / (m - 1 - eps)).
         fused: one pass with an analytic backward keeping only the input (default); False: the reference ops.
         backend: ``'aten'``, ``'triton'``, ``'auto'`` or None (``$NORMDENSE_BACKEND``, else auto); docs/gpu.md.
+        device, dtype: of the parameters and buffers, as torch.nn's layers take them (``skip_init``, meta init).
     """
     _abbr_ = 'un'
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
                  affine: bool = True, n: Optional[float] = None, mode: str = 'batch',
                  update_rate: Optional[float] = None, sync_stats: bool = True, norm_divisor: str = 'hw',
-                 var_correction: str = 'none', fused: bool = True, backend: Optional[str] = None):
+                 var_correction: str = 'none', fused: bool = True, backend: Optional[str] = None, device=None,
+                 dtype=None):
         super().__init__()
         if not isinstance(num_features, int) or num_features <= 0:
             raise ValueError(f'Unitization num_features must be a positive int, got {num_features!r}')
@@ -158,9 +160,9 @@ class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
         self.eps = float(eps)
         self.affine = affine
         self.n = None if n is None else float(n)
-        self.alpha = nn.Parameter(torch.zeros(num_features))
-        affine_parameters(self, num_features, affine)
-        self._init_statnorm(num_features, mode, sync_stats, fused, backend, momentum)
+        self.alpha = nn.Parameter(torch.zeros(num_features, device=device, dtype=dtype))
+        affine_parameters(self, num_features, affine, device, dtype)
+        self._init_statnorm(num_features, mode, sync_stats, fused, backend, momentum, device, dtype)
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.alpha)

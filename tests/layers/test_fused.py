@@ -212,12 +212,19 @@ def test_fused_saves_one_group_norm_of_memory(name):
         assert saved_bytes(lambda: ref(x), list(ref.parameters())) > 1.5 * gn_bytes  # the check can fail
 
 
-def test_double_backward_raises():
-    fused, _ = make('bcn-estimate')
-    x = torch.randn(2, C, 3, 3, dtype=torch.float64, requires_grad=True)
-    (gx, ) = torch.autograd.grad(fused(x).pow(2).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match='once_differentiable|double backward|twice'):
-        gx.sum().backward()
+@pytest.mark.parametrize('name', sorted(CASES))
+def test_double_backward_equals_the_reference(name):
+    """A second differentiation through the engine's backward (tests/layers/test_nn_contracts.py: gradient penalties,
+    gradgradcheck, both backends)."""
+    out = []
+    for layer in make(name):
+        x = torch.randn(2, C, 3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1),
+                        requires_grad=True)
+        (gx, ) = torch.autograd.grad(layer(x).pow(2).sum(), x, create_graph=True)
+        gx.pow(2).sum().backward()
+        out.append([x.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
 def test_frozen_parameters_and_input_without_grad():
