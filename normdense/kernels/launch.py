@@ -30,6 +30,8 @@ import torch
 _RUN_HEAD = ('gridX', 'gridY', 'gridZ', 'stream', 'function')
 _RUN_REST = ('kernel_metadata', 'launch_metadata', 'launch_enter_hook', 'launch_exit_hook')
 _STUB = [False]  # stub_launches() is active
+MAX_KEPT = 1024  # kept launchers per kernel (shapes x configurations): past it the oldest goes, as a miss costs
+# one normal launch (Triton's own cache keeps the compiled kernel)
 
 
 _no_stream = abs  # stubbed launches: a builtin as cheap as the CUDA query (its value is not read)
@@ -73,7 +75,10 @@ class Launcher:
         if key is not None:
             kept = direct(self.kernel, compiled, len(args), consts, key[0])
             if kept is not None:
-                self.cache[key] = kept
+                cache = self.cache
+                if len(cache) >= MAX_KEPT:
+                    del cache[next(iter(cache))]
+                cache[key] = kept
 
 
 def direct(kernel, compiled, nargs: int, consts: dict, device):

@@ -106,6 +106,14 @@ class Geometry(NamedTuple):
 
 
 _GEOMETRY = {}  # (N, C, L, CL, x3's dtype, narrowest element size, split) -> Geometry: once per shape
+_MAX_GEOMETRY = 4096  # variable input sizes (detection): past it the oldest goes
+
+
+def _new_geometry(key) -> 'Geometry':
+    if len(_GEOMETRY) >= _MAX_GEOMETRY:
+        del _GEOMETRY[next(iter(_GEOMETRY))]
+    g = _GEOMETRY[key] = _geometry(*key)
+    return g
 
 
 def geometry(n: int, c: int, length: int, cl: bool, dtype: torch.dtype, narrowest: int, split=None) -> Geometry:
@@ -114,7 +122,7 @@ def geometry(n: int, c: int, length: int, cl: bool, dtype: torch.dtype, narrowes
     key = (n, c, length, cl, dtype, narrowest, split)
     g = _GEOMETRY.get(key)
     if g is None:
-        g = _GEOMETRY[key] = _geometry(*key)
+        g = _new_geometry(key)
     return g
 
 
@@ -141,7 +149,7 @@ def _geom(x3, cl, other, split=None):
     key = (n, c, length, cl, x3.dtype, size, split)
     g = _GEOMETRY.get(key)
     if g is None:
-        g = _GEOMETRY[key] = _geometry(*key)
+        g = _new_geometry(key)
     return g
 
 

@@ -78,6 +78,10 @@ class _Call(NamedTuple):  # a NamedTuple: a frozen dataclass's __init__ costs 3x
 
 
 _SERIAL = itertools.count()
+# why: equal configurations share one plan (and so their kept launches): a layer re-planned for a reason that
+# does not change it (nn.DataParallel's replicas, made anew every step) finds its plan and its launches again
+_PLANS = {}
+_MAX_PLANS = 1024  # a safety net: the oldest dropped past it
 
 
 def _launch_key(device, serial, x3, params, mode=()):
@@ -215,12 +219,29 @@ class StatNorm2d(StatNormState):
         return self._statnorm_eager(x)
 
     def _plan(self, x: torch.Tensor) -> _Plan:
-        """This layer's :class:`_Plan` for x's dtype and device (made on the first such call)."""
+        """This layer's :class:`_Plan` for x's dtype and device (made on the first such call; shared by the
+        layers of one configuration)."""
         key = (x.dtype, x.device, _backend._STATE['broken'])
         plan = self.__dict__['_plans'].get(key)
         if plan is None:
-            plan = self.__dict__['_plans'][key] = self._make_plan(x, resolve(self.backend, x))
+            be = resolve(self.backend, x)
+            # everything _make_plan reads: the maps' configuration (repr: GN+PN's holds a dict), the parameters'
+            # dtypes, the activation, the output dtype
+            ident = (type(self), repr(self._config()), be.name, stubbed(), self._output_dtype(x),
+                     tuple(None if p is None else p.dtype for p in self._statnorm_params()),
+                     _backend._device_of(x)) + key
+            plan = _PLANS.get(ident)
+            if plan is None:
+                if len(_PLANS) >= _MAX_PLANS:
+                    del _PLANS[next(iter(_PLANS))]
+                plan = _PLANS[ident] = self._make_plan(x, be)
+            self.__dict__['_plans'][key] = plan
         return plan
+
+    def _config(self):
+        """The configuration the layer's maps are bound to (a NamedTuple): what its plans depend on besides the
+        dtypes, device and backend."""
+        raise NotImplementedError
 
     def _make_plan(self, x: torch.Tensor, be) -> _Plan:
         params = self._statnorm_params()

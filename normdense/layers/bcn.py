@@ -209,8 +209,11 @@ class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
         except KeyError:  # a parametrized or replaced parameter
             return self.batch_weight, self.batch_bias, self.weight, self.bias
 
+    def _config(self) -> BCNConfig:
+        return BCNConfig(self.num_groups, self.eps, self.group_affine)
+
     def _coeff_maps(self, kernel: bool):
-        cfg = BCNConfig(self.num_groups, self.eps, self.group_affine)
+        cfg = self._config()
         if kernel:
             from ..kernels import bcn as kernels
             return (functools.partial(kernels.coeff_map, **cfg._asdict()),

@@ -148,3 +148,15 @@ def test_proxy_quantile_constants_equal_erfinv():
     for n in (2, 7, 200):
         torch.testing.assert_close(torch.tensor(_quantile_values(n), dtype=torch.float64), proxy_quantiles(n),
                                    rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize('alpha', [0.5, 2.0])
+def test_celu_at_opset_11_with_alpha_other_than_one(alpha, tmp_path):
+    """CELU exists in ONNX from opset 12; before, normdense writes alpha elu(x / alpha): an alpha of 1 cannot tell
+    a division from a multiplication."""
+    torch.manual_seed(0)
+    model = _behind_conv(GroupProxyNorm(C, 2, act=dict(type='CELU', alpha=alpha))).eval()
+    with torch.no_grad():
+        model[1].weight.uniform_(0.5, 3.0)
+    _, diff = export_and_check(model, (torch.randn(1, 3, 8, 8) * 3, ), str(tmp_path / 'celu.onnx'), opset=11)
+    assert diff <= 1e-4

@@ -202,6 +202,9 @@ def _engine_cases():
     from normdense.layers.proxy_norm import GroupProxyNorm
     from normdense.layers.unitization import Unitization2d
     yield 'bcn-estimate', lambda: BatchChannelNorm2d(16, 4, mode='estimate', update_rate=0.1, backend='triton')
+    # another eps (a constexpr of the map): a key without the plan's configuration would share its kernels
+    yield 'bcn-estimate-eps', lambda: BatchChannelNorm2d(16, 4, mode='estimate', update_rate=0.1, eps=1e-2,
+                                                         backend='triton')
     yield 'bcn-batch', lambda: BatchChannelNorm2d(16, 4, mode='batch', group_affine=False, backend='triton')
     yield 'gnpn-gelu', lambda: GroupProxyNorm(16, 4, act='gelu', backend='triton')
     yield 'lnpn-silu', lambda: GroupProxyNorm(16, 1, act='silu', proxy_affine=False, backend='triton')
@@ -252,3 +255,56 @@ def test_every_engine_key_fixes_tritons_specialization():
     assert len(seen) > 100
     clashes = {k: v for k, v in seen.items() if len(v) > 1}
     assert not clashes, list(clashes)[:3]
+
+
+def _cpu_replicate(monkeypatch):
+    """torch.nn.parallel.replicate with its CUDA broadcast replaced by views (parameters: non-leaf, as Broadcast's
+    copies) and detached copies (buffers): nn.DataParallel's module copies, made anew every step, on the CPU."""
+    import importlib
+    R = importlib.import_module('torch.nn.parallel.replicate')  # the module (the package exports the function)
+
+    def broadcast(tensors, devices, detach=False):
+        return [[t.detach().clone() if detach else t.view_as(t) for t in tensors] for _ in devices]
+    monkeypatch.setattr(R, '_broadcast_coalesced_reshape', broadcast)
+    monkeypatch.setattr(R, '_get_device_index', lambda device, optional=False, allow_cpu=False: 0)
+    return R.replicate
+
+
+def test_data_parallel_replicas_reuse_plans_and_kept_launches(monkeypatch):
+    """nn.DataParallel replicates the model every step (new module objects, their attributes set anew): the
+    replicas find their plans and kept launches again, so the launch caches stay the size the first step left
+    (before: every launch missed and each cache grew by an entry per layer and step)."""
+    if L.stubbed():
+        pytest.skip('stub_launches active elsewhere')
+    replicate = _cpu_replicate(monkeypatch)
+    x = torch.randn(2, 16, 3, 5, dtype=torch.float64)
+    with L.stub_launches():
+        model = torch.nn.Sequential(*(make() for _, make in _engine_cases())).double()
+        sizes, hits = [], []
+        for _ in range(5):
+            replica, = replicate(model, [0])
+            with L.counting() as counted:
+                replica(x.requires_grad_()).sum().backward()
+            sizes.append(sum(len(one.cache) for one in L._ALL))
+            hits.append(counted[0] - counted[1])
+    assert sizes[0] > 0 and sizes == [sizes[0]] * 5, sizes
+    assert hits[1:] == [counted[0]] * 4, hits  # every launch of a later step is a kept one
+
+
+def test_the_caches_are_bounded(monkeypatch):
+    """Variable input sizes (detection) make new launch keys and geometries; past their bounds the oldest go and
+    the outputs stay right."""
+    if L.stubbed():
+        pytest.skip('stub_launches active elsewhere')
+    from normdense.kernels import triton as T
+    from normdense.layers.bcn import BatchChannelNorm2d
+    monkeypatch.setattr(L, 'MAX_KEPT', 3)
+    monkeypatch.setattr(T, '_MAX_GEOMETRY', 4)
+    monkeypatch.setattr(T, '_GEOMETRY', {})
+    layer = BatchChannelNorm2d(16, 4, mode='batch', backend='triton').double()
+    with L.stub_launches():
+        for length in range(1, 9):
+            layer(torch.randn(2, 16, 1, length, dtype=torch.float64, requires_grad=True)).sum().backward()
+            assert max(len(one.cache) for one in L._ALL) <= 3
+            assert len(T._GEOMETRY) <= 4
+        assert max(len(one.cache) for one in L._ALL) == 3

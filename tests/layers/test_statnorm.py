@@ -198,3 +198,47 @@ def test_backends_import_nothing_above_them():
         assert all(d.startswith('normdense.kernels') for d in graph[mod]), (mod, graph[mod])
     engine = graph['normdense.layers._statnorm']
     assert not any(m.endswith(('bcn', 'proxy_norm', 'unitization')) for m in engine), engine
+
+
+# --- plans: what the engine keeps per layer between calls ------------------------------------------------------
+PLAN_CASES = [(name, backend) for name in ('bcn-estimate', 'gnpn-relu', 'unitization-batch')
+              for backend in ('aten', 'triton')]
+
+
+def _plan_layer(name, backend):
+    if backend == 'triton':
+        pytest.importorskip('triton', reason='needs triton: not run')
+    torch.manual_seed(0)
+    layer = CASES[name](backend=backend)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return layer
+
+
+@pytest.mark.parametrize('name,backend', PLAN_CASES)
+def test_a_moved_layer_plans_anew(name, backend):
+    """``.double()`` on a layer that ran in float32: its float32 input is then computed in float64 (the dtype
+    policy), as a layer built in float64 computes it, not with the plan made before the move."""
+    x = torch.randn(2, C, 3, 3)
+    layer = _plan_layer(name, backend)
+    layer(x.requires_grad_()).sum().backward()
+    fresh = _plan_layer(name, backend)
+    fresh.load_state_dict(layer.state_dict())
+    layer.double()
+    fresh.double()
+    torch.testing.assert_close(layer(x.detach()), fresh(x.detach()), rtol=0, atol=0)
+    for a, b in zip(layer.buffers(), fresh.buffers()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize('name,backend', PLAN_CASES)
+def test_a_layer_pickled_before_plans_existed_runs(name, backend):
+    """An object state without ``_plans`` (pickled by an older normdense): unpickled, it plans on its first call."""
+    layer = _plan_layer(name, backend)
+    state = layer.__getstate__()
+    del state['_plans']
+    old = type(layer).__new__(type(layer))
+    old.__setstate__(state)
+    x = torch.randn(2, C, 3, 3)
+    torch.testing.assert_close(old.eval()(x), layer.eval()(x), rtol=0, atol=0)
