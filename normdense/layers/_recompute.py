@@ -1,22 +1,25 @@
 """IterNorm's ``recompute`` option: keep only the layer's input for backward and recompute the rest.
 
 :func:`checkpoint_once` is activation checkpointing of one layer, cheaper per call than
-``torch.utils.checkpoint``: side effects once, no RNG state, the forward's autocast state restored, double
-backward raises (docs/performance.md, "Activation memory").
+``torch.utils.checkpoint``: side effects once, no RNG state, the forward's autocast state restored; double
+backward differentiates the recomputation (docs/performance.md, "Activation memory").
 """
 from typing import Callable, Dict, Tuple
 
 import torch
 import torch.nn as nn
-from torch.autograd.function import once_differentiable
 
-from ._utils import device_autocast
+from ._utils import compiling, device_autocast, in_transform
 
 
 def recompute_active(module: nn.Module, x: torch.Tensor) -> bool:
     """Whether ``module`` recomputes this forward: ``recompute`` set, training, grad on, a non-empty input and
-    something to differentiate."""
+    something to differentiate; not under torch.compile (its partitioner chooses what to keep) nor inside a
+    torch.func transform (vmap, grad: they take no custom autograd.Function without a vmap rule): plain autograd
+    there, the same values."""
     if not (module.recompute and module.training and torch.is_grad_enabled() and x.numel() > 0):
+        return False
+    if compiling() or in_transform():
         return False
     return x.requires_grad or any(p.requires_grad for p in module.parameters())
 
@@ -32,7 +35,9 @@ def _autocast_state(tensors) -> Dict[str, Tuple[bool, torch.dtype]]:
 
 
 class _Recompute(torch.autograd.Function):
-    """forward: ``fn(True, *args)`` saving the tensor args; backward: ``fn(False, *args)`` on detached copies."""
+    """forward: ``fn(True, *args)`` saving the tensor args; backward: ``fn(False, *args)`` on detached copies, or
+    (double backward: create_graph, grad mode on) on the saved tensors themselves, so the gradient is
+    differentiable in them."""
 
     @staticmethod
     def forward(ctx, fn, *args):
@@ -45,19 +50,21 @@ class _Recompute(torch.autograd.Function):
         return fn(True, *args)  # grad mode is off inside an autograd.Function's forward
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out):
+        create_graph = torch.is_grad_enabled()
         args = list(ctx.other_args)
         inputs, positions = [], []
         for i, t in zip(ctx.tensor_index, ctx.saved_tensors):
             need = ctx.needs_input_grad[1 + i]
-            args[i] = t.detach().requires_grad_(need)
+            # double backward needs the gradient as a function of the saved tensors; a first backward detaches
+            args[i] = t if create_graph and need else t.detach().requires_grad_(need)
             if need:
                 inputs.append(args[i])
                 positions.append(i)
         with torch.enable_grad(), _autocast(ctx.autocast):
             out = ctx.fn(False, *args)
-        grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True) if inputs else ()
+        grads = (torch.autograd.grad(out, inputs, grad_out, allow_unused=True, create_graph=create_graph)
+                 if inputs else ())
         result = [None] * len(args)
         for i, g in zip(positions, grads):
             result[i] = g

@@ -23,12 +23,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules.utils import _pair
 
+from ._utils import compiling, in_transform, refuse_unbatched_update
 from .eval_form import ChannelAffine, EvalForm, plain_conv  # noqa: F401  (ChannelAffine: EquiNorm's affine, Sec. 4)
 
 
 def balance_weight_signs_(weight: torch.Tensor, generator: Optional[torch.Generator] = None) -> int:
     """In place, resample the signs of each output channel's kernel lacking a positive or a negative entry
-    (Sec. 5.2), keeping magnitudes; returns the number of channels changed."""
+    (Sec. 5.2), keeping magnitudes; returns the number of channels changed (0 on the meta device: no values; a
+    meta-built layer balances in ``reset_parameters`` after ``to_empty``)."""
+    if weight.is_meta:
+        return 0
     with torch.no_grad():
         flat = weight.detach().view(weight.shape[0], -1)
         if flat.shape[1] < 2:
@@ -108,6 +112,12 @@ def equinorm_weight(weight: torch.Tensor, input_mean: torch.Tensor, rho: float, 
     return s.view(-1, 1, 1, 1) * (weight + b.view(-1, 1, 1, 1))
 
 
+def _values_readable(t: torch.Tensor) -> bool:
+    """Whether the host can read ``t``'s values: not while torch.compile traces, not inside a torch.func transform
+    (vmap's batched tensors refuse it), not on the meta device. The sign check then waits for a plain call."""
+    return not (compiling() or t.is_meta or in_transform())
+
+
 class EquiConv2d(nn.Conv2d):
     """``nn.Conv2d`` (same arguments, so ``ConvModule`` works) whose kernel is equilibrium-normalized per forward.
 
@@ -116,6 +126,9 @@ class EquiConv2d(nn.Conv2d):
         single_pass: the single-pass s (default, as in the paper's experiments) or the exact two-pass one.
         eps: keeps the denominators at least eps away from zero (ours).
         balance_init: resample the signs of one-signed kernels at init and in ``init_weights`` (Sec. 5.2).
+        device, dtype: of the parameters and buffers, as for ``nn.Conv2d``.
+
+    ``reset_parameters`` also resets the running input mean (as nn.BatchNorm2d's resets its running statistics).
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
@@ -137,14 +150,21 @@ class EquiConv2d(nn.Conv2d):
         self.momentum = momentum
         self.single_pass = single_pass
         self.eps = eps
-        self.register_buffer('running_input_mean', torch.ones(in_channels, device=device))
-        self._input_sign_checked = False
+        self.register_buffer('running_input_mean', torch.ones(in_channels, device=device, dtype=dtype))
         self.register_buffer('num_batches_tracked', torch.tensor(0, dtype=torch.long, device=device))
+        self.reset_running_stats()
+
+    def reset_running_stats(self) -> None:
+        self.running_input_mean.fill_(1)
+        self.num_batches_tracked.zero_()
+        self._input_sign_checked = False
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
         if getattr(self, 'balance_init', True):
             balance_weight_signs_(self.weight)
+        if hasattr(self, 'running_input_mean'):  # nn.Conv2d.__init__ calls this before the buffers exist
+            self.reset_running_stats()
 
     def init_weights(self) -> None:
         """mmengine calls this after the parent's init_cfg re-drew the weights: restore balanced signs."""
@@ -176,8 +196,9 @@ class EquiConv2d(nn.Conv2d):
         if x.dim() != 4:
             raise ValueError(f'EquiConv2d expects (N, C, H, W) input, got shape {tuple(x.shape)}')
         if self.training and x.numel() > 0:
+            refuse_unbatched_update(self, x, self.running_input_mean)
             mean = x.mean((0, 2, 3))  # m_c = v_c / (B H W), differentiated through
-            if not self._input_sign_checked:
+            if not self._input_sign_checked and _values_readable(mean):
                 # once only (it syncs): a zero-mean input makes sum_c v_c ~ 0 and b, s explode (Sec. 3, 5.2)
                 self._input_sign_checked = True
                 if bool((mean.detach() < 0).any()):

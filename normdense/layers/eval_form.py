@@ -32,11 +32,11 @@ def frozen_group_norm(num_groups: int, weight: torch.Tensor, bias: torch.Tensor,
 
 class ChannelAffine(nn.Module):
     """y = gamma_c x + beta_c after an EquiNorm conv (Sec. 4), for ``norm_cfg=dict(type='ChannelAffine')``;
-    ``eps`` is accepted (``build_norm_layer`` always passes it) and unused. Also the per-channel affine of the
-    other layers' eval forms (:meth:`of`)."""
+    ``eps`` is accepted (``build_norm_layer`` always passes it) and unused; ``device``, ``dtype``: of the parameters,
+    as for ``nn.BatchNorm2d``. Also the per-channel affine of the other layers' eval forms (:meth:`of`)."""
     _abbr_ = 'ca'
 
-    def __init__(self, num_features: int, eps: float = 1e-5, affine: bool = True):
+    def __init__(self, num_features: int, eps: float = 1e-5, affine: bool = True, device=None, dtype=None):
         super().__init__()
         if not isinstance(num_features, int) or num_features <= 0:
             raise ValueError(f'ChannelAffine num_features must be a positive int, got {num_features!r}')
@@ -44,8 +44,8 @@ class ChannelAffine(nn.Module):
             raise ValueError('ChannelAffine with affine=False would be an identity; drop the norm layer instead')
         self.num_features = num_features
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(num_features))
-        self.bias = nn.Parameter(torch.zeros(num_features))
+        self.weight = nn.Parameter(torch.ones(num_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(num_features, device=device, dtype=dtype))
 
     @classmethod
     def of(cls, scale: torch.Tensor, shift: torch.Tensor, dtype: torch.dtype, channels: int) -> 'ChannelAffine':

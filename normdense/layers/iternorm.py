@@ -20,10 +20,10 @@ from typing import List, Tuple
 import torch
 import torch.nn as nn
 
-from ._utils import affine_parameters, f64
-from .eval_form import EvalForm
 from ._estimate import in_backward
 from ._recompute import checkpoint_once, recompute_active
+from ._utils import affine_parameters, compiling, f64, memory_format_of, refuse_unbatched_update
+from .eval_form import EvalForm
 
 __all__ = ['IterNorm', 'newton_whitening_matrix', 'zca_whitening_matrix']
 
@@ -88,6 +88,7 @@ class IterNorm(nn.Module):
         affine: learn the per-channel gamma (``weight``) and beta (``bias``).
         method: ``'newton'`` (IterNorm) or ``'zca'`` (exact eigendecomposition whitening, DBN).
         recompute: keep only the input for backward and recompute the layer there (docs/performance.md).
+        device, dtype: of the parameters and buffers, as for ``nn.BatchNorm2d`` (so ``nn.utils.skip_init`` works).
     """
     # 'bn1', 'bn2', ... as the BN it replaces in the paper, so BN checkpoints' affine and mean map by key
     _abbr_ = 'bn'
@@ -100,7 +101,9 @@ class IterNorm(nn.Module):
                  momentum: float = 0.1,
                  affine: bool = True,
                  method: str = 'newton',
-                 recompute: bool = False):
+                 recompute: bool = False,
+                 device=None,
+                 dtype=None):
         super().__init__()
         for arg, val in (('num_features', num_features), ('group_size', group_size)):
             if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
@@ -130,9 +133,10 @@ class IterNorm(nn.Module):
         if rest:
             self._blocks.append((full * g, full, 1, rest))
 
-        affine_parameters(self, num_features, affine)
-        self.register_buffer('running_mean', torch.zeros(num_features))
-        self.register_buffer('running_wm', torch.zeros(len(self.group_sizes), g, g))
+        factory = dict(device=device, dtype=dtype)
+        affine_parameters(self, num_features, affine, **factory)
+        self.register_buffer('running_mean', torch.zeros(num_features, **factory))
+        self.register_buffer('running_wm', torch.zeros(len(self.group_sizes), g, g, **factory))
         self.reset_running_stats()
 
     @property
@@ -143,7 +147,8 @@ class IterNorm(nn.Module):
         self.running_mean.zero_()
         self.running_wm.zero_()
         for _, g0, n, size in self._blocks:
-            self.running_wm[g0:g0 + n, :size, :size] = torch.eye(size, device=self.running_wm.device)
+            self.running_wm[g0:g0 + n, :size, :size] = torch.eye(size, device=self.running_wm.device,
+                                                                  dtype=self.running_wm.dtype)
 
     def reset_parameters(self) -> None:
         self.reset_running_stats()
@@ -176,11 +181,15 @@ class IterNorm(nn.Module):
                 f'IterNorm needs at least 2 observations (N*H*W) per channel in training to whiten, got input '
                 f'{tuple(x.shape)}: use it where batch x spatial size >= 2 (e.g. not on (1, C) features or a '
                 f'1x1 map at batch 1), or put the layer in eval mode')
+        if self.training:
+            refuse_unbatched_update(self, x, self.running_mean)
         if recompute_active(self, x):
             return checkpoint_once(lambda first, inp, w, b: self._whiten(inp, True, first, w, b), x, self.weight,
                                    self.bias)
-        # an activation checkpoint's recomputation (with_cp=True) updates nothing: the forward did
-        return self._whiten(x, self.training, self.training and not in_backward(), self.weight, self.bias)
+        # an activation checkpoint's recomputation (with_cp=True) updates nothing: the forward did. torch.compile
+        # cannot trace the graph-task query, and its graphs never rerun the forward's Python in backward
+        update = self.training and (compiling() or not in_backward())
+        return self._whiten(x, self.training, update, self.weight, self.bias)
 
     def _whiten(self, x: torch.Tensor, training: bool, update: bool, weight, bias) -> torch.Tensor:
         """Algorithm 1 with batch (``training``; Eq. 8 if ``update``) or running statistics, then the affine."""
@@ -215,7 +224,8 @@ class IterNorm(nn.Module):
             if self.affine:
                 shape = (1, c) + (1, ) * (x.dim() - 2)
                 y = torch.addcmul(bias.to(dtype).view(shape), y, weight.to(dtype).view(shape))
-        return y.to(x.dtype).contiguous()
+        # the layout nn.BatchNorm2d gives (channels_last in, channels_last out)
+        return y.to(x.dtype).contiguous(memory_format=memory_format_of(x))
 
     def eval_linear(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(matrix, bias), float64, of the eval-mode map ``gamma * W_run (x - mu_run) + beta``: a (C, C)

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._utils import autocast_enabled
+from ._utils import autocast_enabled, memory_format_of
 from .eval_form import EvalForm, plain_conv
 
 # Checkpoints store a formula as its index here: append new formulas, never reorder.
@@ -36,21 +36,22 @@ def _check_formula(formula):
 
 def standardize_weight(weight: torch.Tensor, eps: float = 1e-5, formula: str = 'paper') -> torch.Tensor:
     """The standardized weight of Eq. 5/7, differentiable, in at least fp32 (a small fan-in's variance under- or
-    overflows in fp16)."""
+    overflows in fp16), in ``weight``'s memory format (a channels_last module convolves as nn.Conv2d does)."""
     _check_formula(formula)
+    layout = memory_format_of(weight)
     w = weight if weight.dtype in (torch.float32, torch.float64) else weight.float()
     flat = w.reshape(w.shape[0], -1)
     if formula == 'paper' and eps > 0 and flat.shape[1] > 1:
         # Eq. 7 is exactly layer_norm over each fan-in: one fused kernel (docs/performance.md)
         with torch.autocast(device_type=w.device.type, enabled=False):
             out = F.layer_norm(flat, (flat.shape[1], ), eps=eps)
-        return out.reshape(w.shape)
+        return out.reshape(w.shape).contiguous(memory_format=layout)
     var, mean = torch.var_mean(flat, dim=1, keepdim=True, correction=0 if formula == 'paper' else 1)
     if formula == 'std_unbiased':
         out = (flat - mean) / (var.sqrt() + eps)
     else:
         out = (flat - mean) * torch.rsqrt(var + eps)
-    return out.reshape(w.shape)
+    return out.reshape(w.shape).contiguous(memory_format=layout)
 
 
 def ws_state(formula: str, eps: float) -> torch.Tensor:
