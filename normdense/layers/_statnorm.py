@@ -14,7 +14,6 @@ Calls go one way: the layer's forward calls the engine once, the engine asks the
 (``kernels/backend.py``'s contract) for passes and its ``Estimates`` for the iteration's bookkeeping. docs/engine.md.
 """
 import contextlib
-import itertools
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -23,14 +22,12 @@ import torch.distributed as dist
 from ..errors import ExportError
 from ..kernels import backend as _backend
 from ..kernels.aten import AtenBackend
-from ..kernels.backend import HALF as _HALF
-from ..kernels.launch import stubbed
-from ..kernels import resolve
 from ..kernels.backend import (STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, PendingSums, Statistics, StatsRequest,
                                autocast_on, exporting, give_up_triton, ncl)
 from ._distributed import synced_batch_moments, synced_batch_moments_vjp
 from ._estimate import _TASK_ID, _TOKEN, in_backward, mark_iteration, mark_on_backward
 from ._statnorm_graph import graph_backward, tensor_stats
+from ._statnorm_plan import _Plan, plan_for
 from ._statnorm_state import StatNormState
 
 _DIST = dist.is_available()
@@ -47,25 +44,6 @@ def _no_autocast(device_type: str):
     return contextlib.nullcontext()
 
 
-class _Plan(NamedTuple):
-    """What a layer's call needs besides tensors, once per (x's dtype, x's device, backend state), cached on the
-    layer (its ``__setattr__`` and ``_apply`` drop them): no per-call planning."""
-    backend: Any  # a kernels.backend.Backend
-    errors: tuple  # what the backend raises for a kernel that does not compile (ATen: none)
-    cd: torch.dtype  # the compute dtype of the statistics
-    out_dtype: torch.dtype
-    convert: bool  # x3 goes to cd first (e.g. float32 x with float64 parameters)
-    maps: tuple  # (coeff_map, coeff_vjp) of the backend's kind
-    torch_maps: tuple  # the layer's torch maps (all-reduced statistics, a failed compile's fallback)
-    act: Any  # GN+PN's activation as the backend's passes take it (``Backend.act_form``), or None
-    device: Optional[int]  # where launches are cached (``launch.Launcher``): the CUDA index (-1: stubbed), else None
-    serial: int  # this plan's number in the process: part of each call's launch-cache key
-    cuda: Optional[int]  # the CUDA device the launches need current (Triton), else None
-    autocast: bool  # torch code runs between the passes: autocast off around them
-    direct: bool  # the kernel maps run: no torch code between the passes without collectives
-    activation: Any  # the layer's activation object (GN+PN), or None
-
-
 class _Call(NamedTuple):  # a NamedTuple: a frozen dataclass's __init__ costs 3x more per call
     """What the Function's forward and backward need of one call besides tensors."""
     plan: _Plan
@@ -75,13 +53,6 @@ class _Call(NamedTuple):  # a NamedTuple: a frozen dataclass's __init__ costs 3x
     count: Any  # values per channel behind batch statistics (an int, a tensor when all-reduced), else None
     option: Optional[str]  # the layer's backend option (a failed compile under 'auto' falls back)
     ends_iteration: bool  # estimate mode in training: the backward ends the iteration
-
-
-_SERIAL = itertools.count()
-# why: equal configurations share one plan (and so their kept launches): a layer re-planned for a reason that
-# does not change it (nn.DataParallel's replicas, made anew every step) finds its plan and its launches again
-_PLANS = {}
-_MAX_PLANS = 1024  # a safety net: the oldest dropped past it
 
 
 def _launch_key(device, serial, x3, params, mode=()):
@@ -220,44 +191,12 @@ class StatNorm2d(StatNormState):
 
     def _plan(self, x: torch.Tensor) -> _Plan:
         """This layer's :class:`_Plan` for x's dtype and device (made on the first such call; shared by the
-        layers of one configuration)."""
+        layers of one configuration: ``_statnorm_plan.py``)."""
         key = (x.dtype, x.device, _backend._STATE['broken'])
         plan = self.__dict__['_plans'].get(key)
         if plan is None:
-            be = resolve(self.backend, x)
-            # everything _make_plan reads: the maps' configuration (repr: GN+PN's holds a dict), the parameters'
-            # dtypes, the activation, the output dtype
-            ident = (type(self), repr(self._config()), be.name, stubbed(), self._output_dtype(x),
-                     tuple(None if p is None else p.dtype for p in self._statnorm_params()),
-                     _backend._device_of(x)) + key
-            plan = _PLANS.get(ident)
-            if plan is None:
-                if len(_PLANS) >= _MAX_PLANS:
-                    del _PLANS[next(iter(_PLANS))]
-                plan = _PLANS[ident] = self._make_plan(x, be)
-            self.__dict__['_plans'][key] = plan
+            plan = self.__dict__['_plans'][key] = plan_for(self, x, key)
         return plan
-
-    def _config(self):
-        """The configuration the layer's maps are bound to (a NamedTuple): what its plans depend on besides the
-        dtypes, device and backend."""
-        raise NotImplementedError
-
-    def _make_plan(self, x: torch.Tensor, be) -> _Plan:
-        params = self._statnorm_params()
-        cd, out_dtype = self.stat_dtype(x, *params), self._output_dtype(x)
-        torch_maps = self._coeff_maps(False)
-        maps = self._coeff_maps(True) if be.kernel_maps else torch_maps
-        device = cuda = None
-        where = _backend._device_of(x)
-        if where.type == 'cuda' and be.kernel_maps:  # launches cached where they compile (the interpreter: none)
-            device = cuda = where.index
-        elif be.kernel_maps and stubbed():  # benchmarks/host.py: the cached path, its driver calls stubbed
-            device = -1
-        act = self._statnorm_act()
-        return _Plan(be, be.compile_errors(), cd, out_dtype, x.dtype not in _HALF and x.dtype != cd, maps,
-                     torch_maps, None if act is None else be.act_form(act), device, next(_SERIAL), cuda,
-                     not be.kernel_maps, be.kernel_maps, act)
 
     def _statnorm_eager(self, x: torch.Tensor, keep: Optional[list] = None, plan: Optional[_Plan] = None):
         """The output by the layer's backend; with ``keep`` (the torch.compile operator) no autograd graph:

@@ -1,0 +1,90 @@
+"""The StatNorm engine's plans: what a layer's call needs besides tensors (the backend, dtypes, the maps bound to the
+layer's configuration, the activation in the backend's form), made once per (configuration, x's dtype and device,
+backend state) in the process and shared by the layers of one configuration, so that a layer planned again for a
+reason that does not change its plan (nn.DataParallel's replicas, made anew every step; a parameter set anew)
+finds the plan, its serial and so its kept launches again (``kernels/launch.py``)."""
+import functools
+import itertools
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from ..kernels import backend as _backend
+from ..kernels import resolve
+from ..kernels.backend import HALF as _HALF
+from ..kernels.launch import stubbed
+
+
+class _Plan(NamedTuple):
+    """What a layer's call needs besides tensors, once per (x's dtype, x's device, backend state), cached on the
+    layer (its ``__setattr__`` and ``_apply`` drop them): no per-call planning."""
+    backend: Any  # a kernels.backend.Backend
+    errors: tuple  # what the backend raises for a kernel that does not compile (ATen: none)
+    cd: torch.dtype  # the compute dtype of the statistics
+    out_dtype: torch.dtype
+    convert: bool  # x3 goes to cd first (e.g. float32 x with float64 parameters)
+    maps: tuple  # (coeff_map, coeff_vjp) of the backend's kind
+    torch_maps: tuple  # the layer's torch maps (all-reduced statistics, a failed compile's fallback)
+    act: Any  # GN+PN's activation as the backend's passes take it (``Backend.act_form``), or None
+    device: Optional[int]  # where launches are cached (``launch.Launcher``): the CUDA index (-1: stubbed), else None
+    serial: int  # this plan's number in the process: part of each call's launch-cache key
+    cuda: Optional[int]  # the CUDA device the launches need current (Triton), else None
+    autocast: bool  # torch code runs between the passes: autocast off around them
+    direct: bool  # the kernel maps run: no torch code between the passes without collectives
+    activation: Any  # the layer's activation object (GN+PN), or None
+
+
+_SERIAL = itertools.count()
+# why: equal configurations share one plan (and so their kept launches): a layer re-planned for a reason that
+# does not change it (nn.DataParallel's replicas, made anew every step) finds its plan and its launches again
+_PLANS = {}
+_MAX_PLANS = 1024  # a safety net: the oldest dropped past it
+
+
+def _fingerprint(obj):
+    """A hashable stand-in for a plan's ingredients (partials of the maps, their configurations), equal where they
+    are equal: the functions by identity, configurations by value (GN+PN's holds a dict)."""
+    if isinstance(obj, functools.partial):
+        return (_fingerprint(obj.func), _fingerprint(obj.args), _fingerprint(obj.keywords))
+    if isinstance(obj, dict):
+        return tuple(sorted((k, _fingerprint(v)) for k, v in obj.items()))
+    if isinstance(obj, (tuple, list)):
+        return (type(obj), ) + tuple(_fingerprint(o) for o in obj)
+    try:
+        hash(obj)
+    except TypeError:
+        return repr(obj)
+    return obj
+
+
+def plan_for(layer, x: torch.Tensor, key: tuple) -> _Plan:
+    """``layer``'s plan for x (``key``: x's dtype, device and the backend state), from the process's table."""
+    be = resolve(layer.backend, x)
+    # everything make_plan reads: the maps as bound now (their configuration, the functions themselves), the
+    # activation, the parameters' and output dtypes, the device
+    maps = (layer._coeff_maps(False), layer._coeff_maps(True) if be.kernel_maps else None)
+    ident = (type(layer), _fingerprint(maps), layer._statnorm_act(), be.name, stubbed(), layer._output_dtype(x),
+             tuple(None if p is None else p.dtype for p in layer._statnorm_params()), _backend._device_of(x)) + key
+    plan = _PLANS.get(ident)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            del _PLANS[next(iter(_PLANS))]
+        plan = _PLANS[ident] = make_plan(layer, x, be)
+    return plan
+
+
+def make_plan(layer, x: torch.Tensor, be) -> _Plan:
+    params = layer._statnorm_params()
+    cd, out_dtype = layer.stat_dtype(x, *params), layer._output_dtype(x)
+    torch_maps = layer._coeff_maps(False)
+    maps = layer._coeff_maps(True) if be.kernel_maps else torch_maps
+    device = cuda = None
+    where = _backend._device_of(x)
+    if where.type == 'cuda' and be.kernel_maps:  # launches cached where they compile (the interpreter: none)
+        device = cuda = where.index
+    elif be.kernel_maps and stubbed():  # benchmarks/host.py: the cached path, its driver calls stubbed
+        device = -1
+    act = layer._statnorm_act()
+    return _Plan(be, be.compile_errors(), cd, out_dtype, x.dtype not in _HALF and x.dtype != cd, maps,
+                 torch_maps, None if act is None else be.act_form(act), device, next(_SERIAL), cuda,
+                 not be.kernel_maps, be.kernel_maps, act)
