@@ -8,14 +8,11 @@ torchvision://) then loads weights-only (``normdense.checkpoint.install_safe_loa
 mmengine.runner.checkpoint is imported). mmdet, mmseg and mmpretrain are optional (normdense.codebases)
 and not imported here: their models register when a config or tool needs them (normdense.lazy).
 """
-import os as _os
 
 from .version import __version__  # noqa: F401
-from .compat import LAYERS_ONLY_ENV, check_core_versions
-
 # NORMDENSE_LAYERS_ONLY=1 (normdense/compat.py): torch alone is checked and nothing below is imported; what
 # needs mmengine then fails on its own import
-LAYERS_ONLY = _os.environ.get(LAYERS_ONLY_ENV) == '1'
+from .compat import LAYERS_ONLY, LAYERS_ONLY_ENV, check_core_versions  # noqa: F401
 check_core_versions(names=('torch', ) if LAYERS_ONLY else None)
 
 if not LAYERS_ONLY:

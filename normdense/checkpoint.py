@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .errors import UserFixable
+from .norms import CHOICES, STATE_KEYS
 
 
 def _numpy_multiarray():
@@ -259,9 +260,6 @@ def describe_mismatch(missing, unexpected, mismatched) -> str:
     return '; '.join(parts)
 
 
-# the state-dict entries that tell the norms apart (module suffix -> the norm switch's name), strongest first
-_NORM_KEYS = (('proxy_beta', 'gn-pn'), ('proxy_gamma', 'gn-pn'), ('batch_weight', 'bcn'), ('running_wm', 'iternorm'),
-              ('alpha', 'unitization'), ('running_input_mean', 'equinorm'), ('running_var', 'bn'))
 
 
 def norm_of_keys(keys) -> str:
@@ -269,7 +267,7 @@ def norm_of_keys(keys) -> str:
     most specific norm any module has, ``-ws`` where a conv records a WS formula (``_extra_state``); ``'gn'`` where
     no module keeps statistics or norm-specific parameters."""
     leaves = {k.rsplit('.', 1)[-1] for k in keys}
-    norm = next((name for leaf, name in _NORM_KEYS if leaf in leaves), 'gn')
+    norm = next((name for leaf, name in STATE_KEYS if leaf in leaves), 'gn')
     from .layers.ws import EXTRA_STATE_KEY
     return norm + '-ws' if EXTRA_STATE_KEY in leaves and norm in ('gn', 'bcn', 'bn') else norm
 
@@ -282,18 +280,13 @@ def norm_mismatch(model_keys, checkpoint_keys) -> Optional[str]:
     # saved before WS recorded its formula (_extra_state): the keys cannot tell WS apart
     if held == built or built == held + '-ws' and not any(k.endswith(EXTRA_STATE_KEY) for k in checkpoint_keys):
         return None
-    return other_norm_line(held, built, f'--norm {held}' if held in _switch_names() else f'the {held} config')
+    return other_norm_line(held, built, f'--norm {held}' if held in CHOICES else f'the {held} config')
 
 
 def other_norm_line(held: str, built: str, fix: str) -> str:
     """What to say after "checkpoint NAME" where it holds norm ``held`` and the config builds ``built``."""
     return (f'holds {held} layers and the config builds {built}: pass {fix} (as the run was trained with), or the '
             'config saved in its work dir')
-
-
-def _switch_names():
-    from .norm_switch import CHOICES
-    return CHOICES
 
 
 def _debug() -> bool:

@@ -4,6 +4,7 @@ Like mmdet's ``mmcv_minimum_version <= mmcv < mmcv_maximum_version`` check: an u
 mmengine or mmcv stops ``import normdense`` with one line that names the supported range and the fix,
 instead of failing later inside a layer or a Runner.
 """
+import os
 import re
 from typing import Dict, Optional, Tuple
 
@@ -13,6 +14,7 @@ from . import version as _v
 # the layers, the kernels and deploy.fuse import on a machine with torch (and triton) only, e.g. a GPU machine
 # without an mmcv build (scripts/gpu_check.sh sets it there)
 LAYERS_ONLY_ENV = 'NORMDENSE_LAYERS_ONLY'
+LAYERS_ONLY = os.environ.get(LAYERS_ONLY_ENV) == '1'  # as the process started: what `import normdense` did
 
 # name -> (minimum, exclusive maximum or None, how to install a supported one)
 SUPPORTED: Dict[str, Tuple[str, Optional[str], str]] = {

@@ -1,4 +1,5 @@
-"""What ``tools/train.py`` and ``tools/test.py`` do, as library functions.
+"""Train and test jobs: what ``tools/train.py`` and ``tools/test.py`` do, as library functions (kernel launches are
+``kernels/launch.py``'s).
 
 They behave like mmdet's, mmseg's and mmpretrain's own ``tools/train.py`` / ``tools/test.py``: the
 codebase is picked from the config's ``default_scope`` and its few differences (how ``--out`` and

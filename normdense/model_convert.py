@@ -97,7 +97,7 @@ class ConversionReport:
 
 
 def _layers_only() -> bool:
-    from . import LAYERS_ONLY
+    from .compat import LAYERS_ONLY
     return LAYERS_ONLY
 
 

@@ -41,8 +41,8 @@ from collections import Counter
 from typing import List, Optional
 
 from .layers.groups import AUTO, AUTO_RULE, _is_int
+from .norms import CHOICES
 
-CHOICES = ('bn', 'gn', 'gn-ws', 'bcn-ws', 'gn-pn', 'iternorm', 'unitization')
 _WS = dict(type='WSConv2d')
 _PN_BACKBONES = {'ResNet': 'PNResNet', 'ResNetV1c': 'PNResNetV1c', 'mmdet.ResNet': 'PNResNet',
                  'mmseg.ResNet': 'PNResNet', 'mmseg.ResNetV1c': 'PNResNetV1c', 'PNResNet': 'PNResNet',

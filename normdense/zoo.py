@@ -192,7 +192,7 @@ def try_norm(config: str, norm: Optional[str], size: int = 64, batch: int = 2, s
 def _try_norm(config, norm, size, batch, seed) -> ZooResult:
     from mmengine.registry import DefaultScope
 
-    from .launch import codebase_of
+    from .jobs import codebase_of
     from .layers import set_update_rate
     start = time.perf_counter()
     result = ZooResult(config, norm or 'as packaged', 'ok')

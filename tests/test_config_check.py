@@ -5,7 +5,7 @@ import os.path as osp
 import pytest
 from mmengine.config import Config
 
-from normdense import launch
+from normdense import jobs
 from normdense.config_check import ConfigError, check_data_paths, check_model_types, unknown_types
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
@@ -22,7 +22,7 @@ def test_configs_found():
 @pytest.mark.parametrize('path', CONFIGS, ids=lambda p: osp.relpath(p, osp.join(ROOT, 'configs')))
 def test_every_shipped_config_passes(path):
     cfg = Config.fromfile(path)  # (the time is Config parsing; the check itself takes about 1 ms)
-    assert unknown_types(cfg.model, launch.codebase_of(cfg)) == []
+    assert unknown_types(cfg.model, jobs.codebase_of(cfg)) == []
 
 
 @pytest.mark.parametrize('key, value, where, suggestion', [

@@ -19,7 +19,7 @@ import torch
 from mmengine.config import Config
 from mmengine.runner import Runner
 
-from normdense import launch
+from normdense import jobs
 from normdense.checkpoint import (CheckpointMismatchError, CheckpointReadError, UnsafeCheckpointError, load_mismatch,
                                   read_checkpoint)
 from tests.pretrain_utils import ROOT, build_backbone, single_thread  # noqa: F401
@@ -92,7 +92,7 @@ def assert_cannot_read(err, path):
 # Runner loads: strict, with an explicit opt-in to a partial load
 # --------------------------------------------------------------------------------------------------
 def toy_cfg(tmp_path, **options):
-    cfg = launch.load_config(TOY, options, work_dir=str(tmp_path / 'work'))
+    cfg = jobs.load_config(TOY, options, work_dir=str(tmp_path / 'work'))
     cfg.default_hooks.logger = None
     return cfg
 
@@ -113,9 +113,9 @@ def toy_checkpoint(tmp_path, name='toy.pth', edit=None):
 
 def run_test(tmp_path, checkpoint, allow_partial_load=False):
     cfg = toy_cfg(tmp_path)
-    launch.apply_test_args(cfg, checkpoint)
-    launch.apply_load_args(cfg, allow_partial_load=allow_partial_load)
-    runner = launch.build_runner(cfg)
+    jobs.apply_test_args(cfg, checkpoint)
+    jobs.apply_load_args(cfg, allow_partial_load=allow_partial_load)
+    runner = jobs.build_runner(cfg)
     metrics = runner.test()
     return runner, metrics
 
@@ -145,9 +145,9 @@ def test_test_tool_refuses_incomplete_checkpoint(tmp_path, edit, named):
 def test_partial_load_is_opt_in_and_loud(tmp_path):
     path, sd = toy_checkpoint(tmp_path, edit=drop_estimates)
     cfg = toy_cfg(tmp_path)
-    launch.apply_test_args(cfg, path)
-    launch.apply_load_args(cfg, allow_partial_load=True)
-    runner = launch.build_runner(cfg)
+    jobs.apply_test_args(cfg, path)
+    jobs.apply_load_args(cfg, allow_partial_load=True)
+    runner = jobs.build_runner(cfg)
     records = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -162,7 +162,7 @@ def test_partial_load_is_opt_in_and_loud(tmp_path):
     # the config key works as the flag does
     cfg = toy_cfg(tmp_path)
     cfg.allow_partial_load = True
-    launch.apply_load_args(cfg)
+    jobs.apply_load_args(cfg)
     assert cfg.custom_hooks[-1] == dict(type='StrictLoadHook', allow_partial=True)
 
 
@@ -175,30 +175,30 @@ def test_complete_checkpoint_loads(tmp_path):
 
 def test_resume_and_load_from_are_strict(tmp_path):
     cfg = toy_cfg(tmp_path)
-    launch.apply_load_args(cfg)
-    launch.build_runner(cfg).train()
+    jobs.apply_load_args(cfg)
+    jobs.build_runner(cfg).train()
     ckpt = torch.load(tmp_path / 'work' / 'iter_2.pth')
     drop_estimates(ckpt['state_dict'])
     torch.save(ckpt, tmp_path / 'no_estimates.pth')
     for resume in (True, False):
         cfg = toy_cfg(tmp_path, **{'train_cfg.max_iters': 3})
         if resume:
-            launch.apply_train_args(cfg, resume=str(tmp_path / 'no_estimates.pth'))
+            jobs.apply_train_args(cfg, resume=str(tmp_path / 'no_estimates.pth'))
         else:
             cfg.load_from = str(tmp_path / 'no_estimates.pth')
-        launch.apply_load_args(cfg)
+        jobs.apply_load_args(cfg)
         with pytest.raises(CheckpointMismatchError, match='norm.running_var'):
-            launch.build_runner(cfg).train()
+            jobs.build_runner(cfg).train()
 
 
 def test_missing_local_checkpoint_is_one_line(tmp_path):
     cfg = toy_cfg(tmp_path)
     with pytest.raises(FileNotFoundError, match='checkpoint not found: /nonexistent.pth'):
-        launch.apply_test_args(cfg, '/nonexistent.pth')
+        jobs.apply_test_args(cfg, '/nonexistent.pth')
     cfg.load_from = '/nonexistent.pth'
     with pytest.raises(FileNotFoundError, match='load_from checkpoint not found'):
-        launch.apply_load_args(cfg)
-    launch.apply_test_args(toy_cfg(tmp_path), 'https://example.invalid/x.pth')  # URLs: checked on download
+        jobs.apply_load_args(cfg)
+    jobs.apply_test_args(toy_cfg(tmp_path), 'https://example.invalid/x.pth')  # URLs: checked on download
 
 
 # --------------------------------------------------------------------------------------------------
@@ -222,12 +222,12 @@ def test_damaged_checkpoint_on_every_path(tmp_path, kind, capsys):
     for resume in (True, False):  # --resume, load_from
         cfg = toy_cfg(tmp_path)
         if resume:
-            launch.apply_train_args(cfg, resume=path)
+            jobs.apply_train_args(cfg, resume=path)
         else:
             cfg.load_from = path
-        launch.apply_load_args(cfg)
+        jobs.apply_load_args(cfg)
         with pytest.raises(CheckpointReadError) as err:
-            launch.build_runner(cfg).train()
+            jobs.build_runner(cfg).train()
         assert_cannot_read(err, path)
     with pytest.raises(CheckpointReadError) as err:  # PretrainedBackbone
         build_backbone('mmdet', WS_BCN, checkpoint=path)

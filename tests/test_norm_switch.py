@@ -9,7 +9,7 @@ from mmengine.config import Config
 from mmengine.registry import RUNNERS
 
 import normdense
-from normdense import launch
+from normdense import jobs
 from normdense.layers import BatchChannelNorm2d, GroupNorm, GroupProxyNorm, WSConv2d
 from normdense.model_convert import _is_norm
 from normdense.norm_switch import switch_norm
@@ -126,24 +126,24 @@ def test_hard_coded_bn_listed_then_converted_with_convert_true(tmp_path):
 
 def test_tools_norm_argument_and_errors(tmp_path):
     config = osp.join(ROOT, 'configs', 'demo', 'deeplabv3_r18-d8_bcn-ws_toy-voc.py')
-    args = launch.parse_args(launch.train_arg_parser(), [config, '--norm', 'gn-ws', '--work-dir', str(tmp_path)])
-    cfg = launch.load_config(args.config, None, 'none', args.work_dir)
-    launch.apply_norm_arg(cfg, args.norm)
+    args = jobs.parse_args(jobs.train_arg_parser(), [config, '--norm', 'gn-ws', '--work-dir', str(tmp_path)])
+    cfg = jobs.load_config(args.config, None, 'none', args.work_dir)
+    jobs.apply_norm_arg(cfg, args.norm)
     assert cfg.runner_type == 'NormSwitchRunner' and cfg.normdense_norm == 'gn-ws'
-    args = launch.parse_args(launch.test_arg_parser(), [config, 'x.pth', '--norm', 'iternorm'])
+    args = jobs.parse_args(jobs.test_arg_parser(), [config, 'x.pth', '--norm', 'iternorm'])
     assert args.norm == 'iternorm'
     with pytest.raises(SystemExit):
-        launch.parse_args(launch.train_arg_parser(), [config, '--norm', 'batchchannel'])
+        jobs.parse_args(jobs.train_arg_parser(), [config, '--norm', 'batchchannel'])
     with pytest.raises(ValueError, match='choose one of bn, gn, gn-ws, bcn-ws, gn-pn, iternorm, unitization'):
         switch_norm(cfg, 'bcn')
     cfg.normdense_norm = 'bcn'  # a config's own name is checked before the runner is built
-    args = launch.parse_args(launch.train_arg_parser(), [config, '--work-dir', str(tmp_path)])
+    args = jobs.parse_args(jobs.train_arg_parser(), [config, '--work-dir', str(tmp_path)])
     with pytest.raises(ValueError, match='unknown norm .bcn.; choose one of'):
-        launch.apply_norm_arg(cfg, args.norm)
+        jobs.apply_norm_arg(cfg, args.norm)
     cfg.normdense_norm = None
     cfg.runner_type = 'FlexibleRunner'
     with pytest.raises(ValueError, match='normdense.switch_norm'):
-        launch.apply_norm_arg(cfg, 'gn')
+        jobs.apply_norm_arg(cfg, 'gn')
     assert normdense.NORM_CHOICES[0] == 'bn'
 
 
@@ -314,16 +314,16 @@ def test_summary_lists_the_group_choices_and_the_exact_count_error(tmp_path):
 
 
 def test_configs_by_package_name(tmp_path):
-    cfg = launch.load_config('mmdet::retinanet/retinanet_r50_fpn_1x_coco.py')
+    cfg = jobs.load_config('mmdet::retinanet/retinanet_r50_fpn_1x_coco.py')
     assert cfg.model.type == 'RetinaNet' and cfg.work_dir.endswith('retinanet_r50_fpn_1x_coco')
     with pytest.raises(FileNotFoundError, match=r"config mmdet::retinanet/nope.py: .*\.mim/configs"):
-        launch.load_config('mmdet::retinanet/nope.py')
+        jobs.load_config('mmdet::retinanet/nope.py')
     with pytest.raises(FileNotFoundError, match='config file not found: nope.py'):
-        launch.load_config('nope.py')
+        jobs.load_config('nope.py')
     from normdense.tools import resolve_config
     assert resolve_config('mmseg::unet/unet-s5-d16_fcn_4xb4-160k_cityscapes-512x1024.py').startswith('mmseg::')
     # mmseg's package is 'mmseg', its distribution 'mmsegmentation': a name resolves to the installed file
-    cfg = launch.load_config('mmseg::deeplabv3/deeplabv3_r50-d8_4xb2-40k_cityscapes-512x1024.py')
+    cfg = jobs.load_config('mmseg::deeplabv3/deeplabv3_r50-d8_4xb2-40k_cityscapes-512x1024.py')
     assert cfg.model.decode_head.type == 'ASPPHead' and cfg.default_scope == 'mmseg'
     assert cfg.work_dir.endswith('deeplabv3_r50-d8_4xb2-40k_cityscapes-512x1024')
 

@@ -37,16 +37,16 @@ def run_without(blocked, body):
 BUILD = '''
 import json
 import normdense
-from normdense import launch, registry
+from normdense import jobs, registry
 from normdense.codebases import MissingCodebase
 imported_at_import = sorted(m for m in ('mmdet', 'mmseg', 'mmpretrain') if m in sys.modules)
-cfg = launch.load_config({config!r})
+cfg = jobs.load_config({config!r})
 registry_module = __import__(cfg.default_scope + '.registry', fromlist=['MODELS'])
 model = registry_module.MODELS.build(cfg.model)
 pn = registry.MODELS.build(dict(type='PNResNet', depth=18, base_channels=8, stem_channels=8,
                                 norm_cfg=dict(type='GNPN', num_groups=4)))
 try:
-    launch.load_config({other!r})
+    jobs.load_config({other!r})
     other = None
 except MissingCodebase as e:
     other = str(e)

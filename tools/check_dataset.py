@@ -12,7 +12,7 @@ import sys
 from mmengine.config import DictAction
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
-from normdense import launch  # noqa: E402
+from normdense import jobs  # noqa: E402
 from normdense.data.check import check_config_datasets  # noqa: E402
 from normdense.errors import debug_requested, run_tool  # noqa: E402
 
@@ -30,10 +30,10 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     try:
-        cfg = launch.load_config(args.config, args.cfg_options)
+        cfg = jobs.load_config(args.config, args.cfg_options)
         loaders = [f'{s}_dataloader' for s in args.splits]
-        launch.check_data_paths_of(cfg, loaders, evaluators=False)
-    except launch.USER_ERRORS as e:
+        jobs.check_data_paths_of(cfg, loaders, evaluators=False)
+    except jobs.USER_ERRORS as e:
         if debug_requested():
             raise
         sys.exit(f'check_dataset.py: error: {e}')

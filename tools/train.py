@@ -1,7 +1,7 @@
 """Train a normdense model from an mmdet, mmseg or mmpretrain config.
 
 Takes every argument of mmdet's, mmseg's and mmpretrain's own tools/train.py (see
-normdense.launch.train_arg_parser) plus --check-data; config and data errors found before the runner is
+normdense.jobs.train_arg_parser) plus --check-data; config and data errors found before the runner is
 built, and the known errors of normdense.errors (missing codebase, broken mmcv, ...), are reported as one
 line; --debug shows the traceback.
 """
@@ -9,23 +9,23 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
-from normdense import launch  # noqa: E402
+from normdense import jobs  # noqa: E402
 from normdense.errors import debug_requested, run_tool  # noqa: E402
 
 
 def parse_args(argv=None):
-    return launch.parse_args(launch.train_arg_parser(), argv)
+    return jobs.parse_args(jobs.train_arg_parser(), argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
     try:
-        cfg = launch.prepare_train(args)
-    except launch.USER_ERRORS as e:
+        cfg = jobs.prepare_train(args)
+    except jobs.USER_ERRORS as e:
         if debug_requested():
             raise
         sys.exit(f'train.py: error: {e}')
-    runner = launch.build_runner(cfg)
+    runner = jobs.build_runner(cfg)
     runner.train()
 
 

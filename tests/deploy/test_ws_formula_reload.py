@@ -119,7 +119,7 @@ def _load_tool(name):
 def test_trained_formula_survives_reload_test_resume_and_deploy(with_state, tmp_path):
     from mmengine.runner import Runner, load_checkpoint
 
-    from normdense import launch
+    from normdense import jobs
     from normdense.deploy import build_model_from_config, fuse, load_fused
     backbone_file, backbone_cfg = _converted_backbone(tmp_path, with_state)
     config = _config(tmp_path, backbone_file, backbone_cfg)
@@ -154,8 +154,8 @@ def test_trained_formula_survives_reload_test_resume_and_deploy(with_state, tmp_
     torch.testing.assert_close(_out64(model, x), ref, rtol=1e-10, atol=1e-10)
 
     # tools/test.py CONFIG CHECKPOINT (Runner load_from + StrictLoadHook)
-    args = launch.parse_args(launch.test_arg_parser(), [config, ckpt, '--work-dir', str(tmp_path / 'test')])
-    tester = launch.build_runner(launch.prepare_test(args))
+    args = jobs.parse_args(jobs.test_arg_parser(), [config, ckpt, '--work-dir', str(tmp_path / 'test')])
+    tester = jobs.build_runner(jobs.prepare_test(args))
     tester.test()
     assert _formulas(tester.model) == {'var_unbiased'}
     torch.testing.assert_close(_out64(tester.model, x), ref, rtol=1e-10, atol=1e-10)

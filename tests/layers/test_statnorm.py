@@ -242,3 +242,30 @@ def test_a_layer_pickled_before_plans_existed_runs(name, backend):
     old.__setstate__(state)
     x = torch.randn(2, C, 3, 3)
     torch.testing.assert_close(old.eval()(x), layer.eval()(x), rtol=0, atol=0)
+
+
+def test_library_imports_point_down():
+    """No library module reads the package root (its ``__init__`` sits above every module: ``from . import NAME`` of
+    a name that is not a module) and the checkpoint helpers do not import the norm switch (a config-level tool
+    above them): the two that did."""
+    graph = _module_imports()
+    assert 'normdense.norm_switch' not in graph['normdense.checkpoint']
+    assert 'normdense.norms' in graph['normdense.checkpoint']
+    readers = []
+    for mod in graph:
+        if mod == 'normdense':
+            continue
+        path = os.path.join(ROOT, *mod.split('.')) + ('/__init__.py' if mod.count('.') == 0 else '.py')
+        if not os.path.exists(path):
+            path = os.path.join(ROOT, *mod.split('.'), '__init__.py')
+        package = mod if path.endswith('__init__.py') else mod.rsplit('.', 1)[0]
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.ImportFrom) and node.module is None:
+                target = package
+                for _ in range(node.level - 1):
+                    target = target.rsplit('.', 1)[0]
+                if target == 'normdense':
+                    readers += [f'{mod}: {a.name}' for a in node.names if f'normdense.{a.name}' not in graph]
+            elif isinstance(node, ast.ImportFrom) and node.module == 'normdense' and node.level == 0:
+                readers += [f'{mod}: {a.name}' for a in node.names if f'normdense.{a.name}' not in graph]
+    assert not readers, readers

@@ -10,7 +10,7 @@ from mmengine.config import Config
 from mmengine.hooks import Hook
 from mmengine.runner import Runner
 
-from normdense import launch
+from normdense import jobs
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 CONFIG = osp.join(ROOT, 'tests', 'fixtures', 'toy_runner_config.py')
@@ -61,7 +61,7 @@ class _RecordLr(Hook):
 
 
 def test_bcn_rate_follows_linear_warmup(tmp_path):
-    cfg = launch.load_config(CONFIG, {'train_cfg.max_iters': 5}, work_dir=str(tmp_path))
+    cfg = jobs.load_config(CONFIG, {'train_cfg.max_iters': 5}, work_dir=str(tmp_path))
     runner = Runner.from_cfg(cfg)
     recorder = _RecordLr()
     runner.register_hook(recorder)
@@ -72,7 +72,7 @@ def test_bcn_rate_follows_linear_warmup(tmp_path):
 
 
 def test_missing_rate_hook_fails_at_first_iteration(tmp_path):
-    cfg = launch.load_config(CONFIG, work_dir=str(tmp_path))
+    cfg = jobs.load_config(CONFIG, work_dir=str(tmp_path))
     cfg.custom_hooks = []
     with pytest.raises(RuntimeError, match='BCNRateHook'):
         Runner.from_cfg(cfg).train()
@@ -80,13 +80,13 @@ def test_missing_rate_hook_fails_at_first_iteration(tmp_path):
 
 def test_train_switches():
     cfg = Config.fromfile(CONFIG)
-    launch.apply_train_args(cfg, amp=True, auto_scale_lr=True, resume='auto')
+    jobs.apply_train_args(cfg, amp=True, auto_scale_lr=True, resume='auto')
     assert cfg.optim_wrapper.type == 'AmpOptimWrapper' and cfg.auto_scale_lr.enable
     assert cfg.resume is True and cfg.load_from is None
     cfg.pop('auto_scale_lr')
     with pytest.raises(RuntimeError, match='base_batch_size'):
-        launch.apply_train_args(cfg, auto_scale_lr=True)
+        jobs.apply_train_args(cfg, auto_scale_lr=True)
     with pytest.raises(FileNotFoundError):
-        launch.apply_train_args(cfg, resume='/nonexistent.pth')
+        jobs.apply_train_args(cfg, resume='/nonexistent.pth')
     with pytest.raises(FileNotFoundError, match='config'):
-        launch.load_config('/nonexistent_config.py')
+        jobs.load_config('/nonexistent_config.py')

@@ -9,7 +9,7 @@ import warnings
 import pytest
 from mmengine.config import Config
 
-from normdense import launch
+from normdense import jobs
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 DET_BOX = osp.join(ROOT, 'configs/faster_rcnn/faster-rcnn_r50_fpn_bcn-ws_1x_coco.py')
@@ -39,16 +39,16 @@ def _options(parser):
 
 @pytest.mark.parametrize('theirs', [MMDET_TRAIN, MMSEG_TRAIN, MMPRETRAIN_TRAIN])
 def test_train_accepts_every_option(theirs):
-    assert set(theirs) <= _options(launch.train_arg_parser())
+    assert set(theirs) <= _options(jobs.train_arg_parser())
 
 
 @pytest.mark.parametrize('theirs', [MMDET_TEST, MMSEG_TEST, MMPRETRAIN_TEST])
 def test_test_accepts_every_option(theirs):
-    assert set(theirs) <= _options(launch.test_arg_parser())
+    assert set(theirs) <= _options(jobs.test_arg_parser())
 
 
 def test_command_lines_parse_as_theirs():
-    p = launch.train_arg_parser()
+    p = jobs.train_arg_parser()
     a = p.parse_args(['c.py', '--work-dir', 'w', '--amp', '--auto-scale-lr', '--resume', '--cfg-options', 'a=1',
                       'b.c=[1,2]', '--launcher', 'slurm', '--local-rank', '3', '--no-validate', '--no-pin-memory',
                       '--no-persistent-workers'])
@@ -57,13 +57,13 @@ def test_command_lines_parse_as_theirs():
     assert a.cfg_options == {'a': 1, 'b.c': [1, 2]} and a.no_validate and a.no_pin_memory
     assert p.parse_args(['c.py', '--resume', 'x.pth']).resume == 'x.pth'  # mmdet / mmpretrain: optional path
     assert p.parse_args(['c.py', '--local_rank', '1']).local_rank == 1
-    t = launch.test_arg_parser().parse_args(
+    t = jobs.test_arg_parser().parse_args(
         ['c.py', 'k.pth', '--out', 'o', '--out-item', 'metrics', '--show', '--show-dir', 'v', '--wait-time', '0.5',
          '--interval', '3', '--amp', '--no-pin-memory', '--tta', '--launcher', 'pytorch'])
     assert (t.checkpoint, t.out, t.out_item, t.show, t.show_dir, t.wait_time, t.interval, t.tta) == \
         ('k.pth', 'o', 'metrics', True, 'v', 0.5, 3, True)
     with pytest.raises(SystemExit):
-        launch.test_arg_parser().parse_args(['c.py', 'k.pth', '--out-item', 'other'])
+        jobs.test_arg_parser().parse_args(['c.py', 'k.pth', '--out-item', 'other'])
 
 
 def _ckpt(tmp_path):
@@ -79,9 +79,9 @@ def test_out_is_a_directory_for_mmseg_and_a_pickle_elsewhere(tmp_path):
     from mmseg.registry import METRICS
     from mmseg.utils import register_all_modules
     cfg = Config.fromfile(SEG)
-    launch.apply_test_args(cfg, _ckpt(tmp_path), out=str(tmp_path / 'pngs'))
+    jobs.apply_test_args(cfg, _ckpt(tmp_path), out=str(tmp_path / 'pngs'))
     assert cfg.test_evaluator.output_dir == str(tmp_path / 'pngs') and cfg.test_evaluator.keep_results
-    pickled = launch.apply_test_args(Config.fromfile(SEG), _ckpt(tmp_path), out='preds.pkl')
+    pickled = jobs.apply_test_args(Config.fromfile(SEG), _ckpt(tmp_path), out='preds.pkl')
     assert 'output_dir' not in pickled.test_evaluator  # a .pkl name: raw predictions (the seg demo reads them)
     # mmseg's IoUMetric built from that config writes one label PNG per image there
     register_all_modules(init_default_scope=False)
@@ -94,10 +94,10 @@ def test_out_is_a_directory_for_mmseg_and_a_pickle_elsewhere(tmp_path):
     assert np.array_equal(np.asarray(Image.open(tmp_path / 'pngs' / 'img_7.png')), pred[0].numpy())
 
     det = Config.fromfile(DET_BOX)
-    launch.apply_test_args(det, _ckpt(tmp_path), out=str(tmp_path / 'p.pkl'))
+    jobs.apply_test_args(det, _ckpt(tmp_path), out=str(tmp_path / 'p.pkl'))
     assert 'output_dir' not in det.test_evaluator
     with pytest.raises(ValueError, match='.pkl'):
-        launch.apply_test_args(Config.fromfile(DET_BOX), _ckpt(tmp_path), out=str(tmp_path / 'dir'))
+        jobs.apply_test_args(Config.fromfile(DET_BOX), _ckpt(tmp_path), out=str(tmp_path / 'dir'))
 
 
 def test_tta_mmdet_wraps_the_model(tmp_path):
@@ -107,7 +107,7 @@ def test_tta_mmdet_wraps_the_model(tmp_path):
     cfg = Config.fromfile(DET_BOX)
     detector = cfg.model.copy()
     with pytest.warns(UserWarning, match='DetTTAModel'):
-        launch.apply_tta(cfg, 'mmdet')
+        jobs.apply_tta(cfg, 'mmdet')
     assert cfg.model.type == 'DetTTAModel' and cfg.model.module == detector
     assert cfg.test_dataloader.dataset.pipeline[-1].type == 'TestTimeAug'
     # a config's own tta_model and tta_pipeline are used as they are
@@ -117,7 +117,7 @@ def test_tta_mmdet_wraps_the_model(tmp_path):
                         dict(type='TestTimeAug', transforms=[[dict(type='PackDetInputs')]])]
     with warnings.catch_warnings():
         warnings.simplefilter('error')
-        launch.apply_tta(cfg, 'mmdet')
+        jobs.apply_tta(cfg, 'mmdet')
     assert cfg.model.tta_cfg.max_per_img == 50 and cfg.test_dataloader.dataset.pipeline == cfg.tta_pipeline
     cfg.model.module.backbone.init_cfg = None
     register_all_modules(init_default_scope=False)
@@ -128,11 +128,11 @@ def test_tta_mmdet_wraps_the_model(tmp_path):
 
 def test_tta_refused_where_the_codebase_would_crash():
     with pytest.raises(ValueError, match='masks'):  # mmdet's DetTTAModel asserts on mask predictions
-        launch.apply_tta(Config.fromfile(DET_MASK), 'mmdet')
+        jobs.apply_tta(Config.fromfile(DET_MASK), 'mmdet')
     cfg = Config.fromfile(SEG)
     cfg.pop('tta_model', None)
     with pytest.raises(ValueError, match='tta_model'):  # mmseg has no default TTA model
-        launch.apply_tta(cfg, 'mmseg')
+        jobs.apply_tta(cfg, 'mmseg')
 
 
 def run_tool(*args, cwd):
@@ -174,10 +174,10 @@ def test_layer_type_typo_is_one_line_from_the_tool(tmp_path):
 
 def test_no_validate_and_loader_switches():
     cfg = Config.fromfile(SEG)
-    launch.apply_loader_args(cfg, no_validate=True, no_pin_memory=True, no_persistent_workers=True)
+    jobs.apply_loader_args(cfg, no_validate=True, no_pin_memory=True, no_persistent_workers=True)
     assert cfg.val_cfg is None and cfg.val_dataloader is None and cfg.val_evaluator is None
     assert cfg.train_dataloader.pin_memory is False and cfg.train_dataloader.persistent_workers is False
-    assert launch.loaders_used(cfg, 'train') == ['train_dataloader']
+    assert jobs.loaders_used(cfg, 'train') == ['train_dataloader']
 
 
 @pytest.mark.parametrize('script', ['slurm_train.sh', 'slurm_test.sh'])
@@ -203,8 +203,8 @@ def test_slurm_scripts(script, tmp_path):
     tool_args = argv[tool + 1:]
     if script == 'slurm_train.sh':
         assert tool_args == ['c.py', '--work-dir=work dir', '--launcher=slurm', '--cfg-options', 'a=1']
-        parsed = launch.train_arg_parser().parse_args(tool_args)
+        parsed = jobs.train_arg_parser().parse_args(tool_args)
     else:
         assert tool_args == ['c.py', 'ck.pth', '--launcher=slurm', '--cfg-options', 'a=1']
-        parsed = launch.test_arg_parser().parse_args(tool_args)
+        parsed = jobs.test_arg_parser().parse_args(tool_args)
     assert parsed.launcher == 'slurm' and parsed.cfg_options == {'a': 1}
