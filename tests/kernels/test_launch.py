@@ -121,9 +121,10 @@ def test_the_installed_triton_launcher_fits():
 
 def test_a_kept_launch_passes_what_the_normal_launch_binds(monkeypatch):
     """The engine's kept launches pass the rows of its stacked buffers (coefficients, [dm; dv], gB, the first
-    stage's mean, var and update) as integer addresses: for every launch of a training step, each such integer is
-    the data_ptr of the tensor the normal launch of the same call binds in its place, and every other argument is
-    the same object or value."""
+    stage's mean, var and update) as integer addresses: for every launch of a training step, the kept launch passes
+    one argument per kernel parameter, in the order the installed Triton binds the normal launch's arguments (the
+    kernel's own signature, constexprs included: what ``kernel[grid]`` hands the same launcher); each integer in
+    a tensor's place is that tensor's data_ptr, and every other argument is the same object or value."""
     if L.stubbed():
         pytest.skip('stub_launches active elsewhere')
     kept, normal = [], []
@@ -136,7 +137,12 @@ def test_a_kept_launch_passes_what_the_normal_launch_binds(monkeypatch):
 
     def recording(self, grid, args, consts, key=None):
         if key is not None and key in self.cache:
-            normal.append((self.name, args))
+            # Triton's binder: the kernel's signature bound, defaults applied (jit.create_function_from_signature)
+            # (the interpreter's kernel object keeps the function itself: the same signature)
+            sig = getattr(self.kernel, 'signature', None) or inspect.signature(self.kernel.fn)
+            bound = sig.bind(*args, **{k: v for k, v in consts.items() if k in self.kernel.arg_names})
+            bound.apply_defaults()
+            normal.append((self.name, tuple(bound.arguments.values())))
         return original_launch(self, grid, args, consts, key)
     monkeypatch.setattr(L.Launcher, 'hit', both)
     monkeypatch.setattr(L.Launcher, 'launch', recording)
@@ -152,7 +158,7 @@ def test_a_kept_launch_passes_what_the_normal_launch_binds(monkeypatch):
                     continue  # the first step: nothing kept yet
                 assert len(kept) == len(normal) == 6, name
                 for tail, (kernel, args) in zip(kept, normal):
-                    assert len(tail) >= len(args)
+                    assert len(tail) == len(args), (name, kernel, len(tail), len(args))
                     for i, (a, b) in enumerate(zip(tail, args)):
                         if isinstance(a, int) and isinstance(b, torch.Tensor):
                             assert a == b.data_ptr(), (name, kernel, i)
@@ -197,25 +203,28 @@ def _specialization(kernel, args, consts):
     return repr(spec), tuple(sorted((k, repr(v)) for k, v in consts.items()))
 
 
-def _engine_cases():
+def _engine_cases(c=16):
+    """Every engine layer and mode with ``c`` channels (groups of 4, or 2 where 4 does not divide c)."""
     from normdense.layers.bcn import BatchChannelNorm2d
     from normdense.layers.proxy_norm import GroupProxyNorm
     from normdense.layers.unitization import Unitization2d
-    yield 'bcn-estimate', lambda: BatchChannelNorm2d(16, 4, mode='estimate', update_rate=0.1, backend='triton')
+    g = 4 if c % 4 == 0 else 2
+    yield 'bcn-estimate', lambda: BatchChannelNorm2d(c, g, mode='estimate', update_rate=0.1, backend='triton')
     # another eps (a constexpr of the map): a key without the plan's configuration would share its kernels
-    yield 'bcn-estimate-eps', lambda: BatchChannelNorm2d(16, 4, mode='estimate', update_rate=0.1, eps=1e-2,
+    yield 'bcn-estimate-eps', lambda: BatchChannelNorm2d(c, g, mode='estimate', update_rate=0.1, eps=1e-2,
                                                          backend='triton')
-    yield 'bcn-batch', lambda: BatchChannelNorm2d(16, 4, mode='batch', group_affine=False, backend='triton')
-    yield 'gnpn-gelu', lambda: GroupProxyNorm(16, 4, act='gelu', backend='triton')
-    yield 'lnpn-silu', lambda: GroupProxyNorm(16, 1, act='silu', proxy_affine=False, backend='triton')
-    yield 'unitization-batch', lambda: Unitization2d(16, backend='triton')
-    yield 'unitization-estimate', lambda: Unitization2d(16, mode='estimate', update_rate=0.1, backend='triton')
+    yield 'bcn-batch', lambda: BatchChannelNorm2d(c, g, mode='batch', group_affine=False, backend='triton')
+    yield 'gnpn-gelu', lambda: GroupProxyNorm(c, g, act='gelu', backend='triton')
+    yield 'lnpn-silu', lambda: GroupProxyNorm(c, 1, act='silu', proxy_affine=False, backend='triton')
+    yield 'unitization-batch', lambda: Unitization2d(c, backend='triton')
+    yield 'unitization-estimate', lambda: Unitization2d(c, mode='estimate', update_rate=0.1, backend='triton')
 
 
 def test_every_engine_key_fixes_tritons_specialization():
-    """Every layer and mode, float64/float32/bf16 autocast, NCL and channels_last, several sizes (a channel count
-    whose rows are not 16-byte multiples too), training with one and two calls per iteration and eval: a launch
-    key the engine makes never meets two of Triton's specializations (the kept kernel would be the wrong one)."""
+    """Every layer and mode (two BCNs differing in eps only), float64/float32/bf16 autocast, NCL and channels_last,
+    several sizes (rows whose length is not a 16-byte multiple; 6 channels: fp32 per-channel rows not 16-byte
+    aligned either), training with one and two calls per iteration and eval: a launch key the engine makes never
+    meets two of Triton's specializations (the kept kernel would be the wrong one)."""
     if L.stubbed():
         pytest.skip('stub_launches active elsewhere')
     seen = collections.defaultdict(set)
@@ -232,10 +241,10 @@ def test_every_engine_key_fixes_tritons_specialization():
     L.Launcher.hit = hit
     try:
         with L.stub_launches():
-            for name, make in _engine_cases():
+            for c, name, make in [(c, *case) for c in (16, 6) for case in _engine_cases(c)]:
                 for dtype in (torch.float64, torch.float32):
                     layer = make().to(dtype)
-                    for shape in ((2, 16, 3, 5), (3, 16, 4, 4), (1, 16, 1, 7)):
+                    for shape in ((2, c, 3, 5), (3, c, 4, 4), (1, c, 1, 7)):
                         for cl in (False, True):
                             x = torch.randn(*shape, dtype=dtype)
                             if cl:
@@ -249,7 +258,7 @@ def test_every_engine_key_fixes_tritons_specialization():
                                 layer(x)
                     with torch.autocast('cpu', dtype=torch.bfloat16):
                         layer.train()
-                        layer(torch.randn(2, 16, 3, 3).bfloat16().requires_grad_()).float().sum().backward()
+                        layer(torch.randn(2, c, 3, 3).bfloat16().requires_grad_()).float().sum().backward()
     finally:
         L.Launcher.launch, L.Launcher.hit = original, saved_hit
     assert len(seen) > 100
@@ -308,3 +317,41 @@ def test_the_caches_are_bounded(monkeypatch):
             assert max(len(one.cache) for one in L._ALL) <= 3
             assert len(T._GEOMETRY) <= 4
         assert max(len(one.cache) for one in L._ALL) == 3
+
+
+def test_kept_launches_ask_for_the_stream_of_their_keys_device(monkeypatch):
+    """Two (fake) CUDA devices, taken in turns: the launch keys name the device, and a kept launch asks for the
+    current stream of that device (Triton launches on it), whichever device is current when the step starts."""
+    if L.stubbed():
+        pytest.skip('stub_launches active elsewhere')
+    from normdense.kernels import backend as B
+    from normdense.layers.bcn import BatchChannelNorm2d
+    current, which, asked, streams, keys = [0], [0], [], [], set()
+
+    class FakeDevice:  # torch.cuda.device on a machine without one
+        def __init__(self, device):
+            self.index = torch.device(device).index if not isinstance(device, int) else device
+
+        def __enter__(self):
+            self.prev, current[0] = current[0], self.index
+
+        def __exit__(self, *exc):
+            current[0] = self.prev
+
+    monkeypatch.setattr(torch._C, '_cuda_getCurrentRawStream', lambda d: asked.append(d) or 1000 + d, raising=False)
+    monkeypatch.setattr(B, 'current_device', lambda: current[0])
+    monkeypatch.setattr(B, '_device_of', lambda t: torch.device('cuda', which[0]))
+    monkeypatch.setattr(torch.cuda, 'device', FakeDevice)
+    monkeypatch.setattr(L, '_no_launch', lambda *a: streams.append((which[0], a[3])))
+    hit = L.Launcher.hit
+    monkeypatch.setattr(L.Launcher, 'hit', lambda self, grid, args, key: keys.add(key[0]) or hit(self, grid, args, key))
+    x = torch.randn(2, 16, 3, 5, dtype=torch.float64, requires_grad=True)
+    with L.stub_launches():
+        layers = [BatchChannelNorm2d(16, 4, mode='batch', backend='triton').double() for _ in range(2)]
+        for device in (0, 1, 0, 1, 1, 0):
+            which[0] = device
+            layers[device](x).sum().backward()
+    assert keys == {0, 1}
+    assert streams and {s for _, s in streams} == {1000, 1001}
+    assert all(s == 1000 + d for d, s in streams), streams
+    assert set(asked) == {0, 1} and current[0] == 0
