@@ -17,11 +17,12 @@ per-channel sums over N dx finishes at large N (``common.BlockSums``). A group w
 is walked in chunks (passes for the group sums, then the outputs). The VJP recomputes d, r, s.
 """
 import functools
+from typing import Any, NamedTuple
 
 import triton
 import triton.language as tl
 
-from .common import CHUNK, BlockSums, cdiv, grad_buffer, group_tiles, rows, rsqrt, sample_blocks, split_sum
+from .common import CHUNK, BlockSums, cdiv, grad_buffer, group_tiles, rsqrt, sample_blocks, split_sum
 from .first_stage import FOLD_SIZES, fold, fold_args, fold_consts
 from .launch import launcher
 
@@ -286,7 +287,23 @@ def _launch_plan(n: int, c: int, num_groups: int, eps: float, group_affine: bool
     return per, grid + (blocks, ), blocks, n_per, {**consts, 'WANTS_STATS': bool(wants_stats)}
 
 
-_MAP, _VJP = launcher(_bcn_map_kernel), launcher(_bcn_vjp_kernel)
+class Residuals(NamedTuple):
+    """What :func:`coeff_vjp` reads of :func:`coeff_map`'s call: its inputs (the VJP recomputes the rest)."""
+    m: Any
+    v: Any
+    mean: Any  # (C,), or the address of a planned first stage's row
+    var: Any
+    bw: Any
+    bb: Any
+    w: Any
+    b: Any
+    key: Any  # the call's launch-cache key (the VJP launches under it)
+    first: Any  # the planned first stage, or None
+
+
+# rows (launch.Launcher): the planned first stage's mean and var, A and B, gB in the sums' buffer, dm and dv
+_MAP = launcher(_bcn_map_kernel, rows=('mean_ptr', 'var_ptr', 'a_ptr', 'bo_ptr'))
+_VJP = launcher(_bcn_vjp_kernel, rows=('mean_ptr', 'var_ptr', 'gb_ptr', 'dm_ptr', 'dv_ptr'))
 
 
 def coeff_map(m, v, mean, var, params, positions, count, *, num_groups: int, eps: float, group_affine: bool,
@@ -306,13 +323,14 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups: int, eps
     fargs, fconst = fold_args(None, m) if first is None else (first.fold, None)  # its constexprs on a miss
     key = None if first is None else first.key  # the call's (``launch.Launcher``)
     a = coeffs.data_ptr()
-    args = (m, v, mean, var, bw, bb, w, b, a, a + n * c * coeffs.itemsize, n, c, num_groups, per, *fargs)
+    args = (m, v, mean, var,  # mean, var: addresses in a planned first stage's rows
+            bw, bb, w, b,
+            a, a + n * c * coeffs.itemsize,  # A, B
+            n, c, num_groups, per, *fargs)
     if key is None or not _MAP.hit(grid, args, key):
-        if first is not None:  # the planned stage's mean, var come by address: the normal launch binds tensors
-            args = args[:2] + first.outputs[2:4] + args[4:]
-        args = args[:8] + rows(coeffs, 2)[:2] + args[10:]
-        _MAP.launch(grid, args, {**(fconst or fold_consts(first)), **consts}, key)
-    return coeffs, (m, v, mean, var, bw, bb, w, b, key, first)
+        _MAP.launch(grid, _MAP.bind(args, coeffs, first and first.chan), {**(fconst or fold_consts(first)), **consts},
+                    key)
+    return coeffs, Residuals(m=m, v=v, mean=mean, var=var, bw=bw, bb=bb, w=w, b=b, key=key, first=first)
 
 
 def coeff_vjp(res, grads, wants_stats, *, num_groups: int, eps: float, group_affine: bool, defer: bool = False,
@@ -326,7 +344,8 @@ def coeff_vjp(res, grads, wants_stats, *, num_groups: int, eps: float, group_aff
     of the parameter gradients, for dx to sum; else they are summed here. ``defer`` (the engine's: dx follows)
     also returns dm, dv as one (2, N, C) buffer in dm's place, dv None (``triton.dx`` takes them so).
     ``chunk``, ``tile``: as coeff_map's."""
-    m, v, mean, var, bw, bb, w, b, key, first = res
+    m, v, mean, var, key, first = res.m, res.v, res.mean, res.var, res.key, res.first
+    bw, bb, w, b = res.bw, res.bb, res.w, res.b
     # gA at the buffer's start, gB its own pointer argument (one derived in the kernel spills fp64 registers): its
     # address on a kept launch, a view on the normal one
     ga, gsplit, gstride, gk = grad_buffer(grads)
@@ -337,10 +356,11 @@ def coeff_vjp(res, grads, wants_stats, *, num_groups: int, eps: float, group_aff
     out = BlockSums(blocks, m, (bw, bb, w, b), wants_stats)
     dbw, dbb, dw, db, dmean, dvar = out.slots
     d = dmv.data_ptr()
-    args = (m, v, mean, var, bw, bb, w, ga, ga.data_ptr() + gk * ga.itemsize, d, d + n * c * dmv.itemsize, dmean, dvar,
-            dbw, dbb, dw, db, n, c, num_groups, per, gsplit, gstride, n_per, out.stride)
+    args = (m, v, mean, var,  # as in coeff_map
+            bw, bb, w,
+            ga, ga.data_ptr() + gk * ga.itemsize,  # gA, gB
+            d, d + n * c * dmv.itemsize,  # dm, dv
+            dmean, dvar, dbw, dbb, dw, db, n, c, num_groups, per, gsplit, gstride, n_per, out.stride)
     if key is None or not _VJP.hit(grid, args, key):  # the forward's key: the VJP's arguments follow from it
-        args = (args[:2] + (args[2:4] if first is None else first.outputs[2:4]) + args[4:8] + (ga.select(1, 1), ) +
-                rows(dmv, 2)[:2] + args[11:])
-        _VJP.launch(grid, args, consts, key)
+        _VJP.launch(grid, _VJP.bind(args, ga, dmv, first and first.chan), consts, key)
     return ((dmv, None) if defer else (dmv[0], dmv[1])) + out.result(defer)

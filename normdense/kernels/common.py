@@ -94,16 +94,6 @@ def stacked(arrays) -> torch.Tensor:
     return torch.stack([t.reshape(arrays[0].shape) for t in arrays])
 
 
-def rows(buf: torch.Tensor, count: int):
-    """Four pointer arguments for the normal launch (``kernel[grid]`` binds tensors): the rows 0..``count`` - 1
-    (2 or 4) of a :func:`stacked` buffer, the rows 0, 1 again in the places of rows not there (arguments the
-    kernel does not read)."""
-    if count == 4:
-        return buf[0], buf[1], buf[2], buf[3]
-    a, b = buf[0], buf[1]
-    return a, b, a, b
-
-
 # --- the passes' tiles of the activation -----------------------------------------------------------------------
 def vector_width(*tensors) -> int:
     """V (elements) of the narrowest dtype among ``tensors``: V lanes of it are 16 bytes, and V lanes of a

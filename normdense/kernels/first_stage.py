@@ -14,6 +14,7 @@ rows the kept launches of the map and apply kernels take by address (``FirstStag
 Samples are taken in [BLOCK_N, BLOCK_C] tiles; block sizes are keyed on C only: a batch size never recompiles.
 """
 import functools
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -170,6 +171,17 @@ def stat_blocks(c: int, dtype=torch.float32):
     return max(1, (128 if dtype == torch.float64 else 512) // block_c), block_c
 
 
+class StageTensors(NamedTuple):
+    """A first stage's results as tensors (:attr:`FirstStage.outputs`): m, v (N, C); mean, var (C,), moved (2, C),
+    update (2, C: the buffers' new values) or None where the mode has none."""
+    m: torch.Tensor
+    v: torch.Tensor
+    mean: Optional[torch.Tensor]
+    var: Optional[torch.Tensor]
+    moved: Optional[torch.Tensor]
+    update: Optional[torch.Tensor]
+
+
 class FirstStage:
     """One call's first stage, planned: its outputs allocated and its launch arguments ready, either for the
     standalone kernel (:meth:`launch`) or for a coefficient kernel that runs :func:`fold` itself
@@ -215,12 +227,12 @@ class FirstStage:
     dtype = property(lambda self: self.m.dtype)  # the partials' dtype
 
     @property
-    def outputs(self):
-        """(m, v, mean, var, moved, upd) as tensors, mean, var and upd views of ``chan`` (None where absent)."""
+    def outputs(self) -> StageTensors:
+        """The results as tensors, mean, var and update views of ``chan`` (None where absent)."""
         chan = self.chan
         if chan is None:
-            return self.m, self.v, None, None, self.moved, None
-        return self.m, self.v, chan[0], chan[1], self.moved, None if self.update is None else chan[2:]
+            return StageTensors(self.m, self.v, None, None, self.moved, None)
+        return StageTensors(self.m, self.v, chan[0], chan[1], self.moved, None if self.update is None else chan[2:])
     cumulative = property(lambda self: self.mode == STATS_BATCH and self.momentum is None)
     acc = property(lambda self: tl.float64 if self.dtype == torch.float64 else tl.float32)
 
@@ -261,5 +273,5 @@ def stats(part, split, chunk, shape, mode=STATS_NONE, stat_mean=None, stat_var=N
     batch mean and second moment around the estimates, and with ``write`` ``upd`` (2, C): the new values of
     (stat_mean, stat_var) for the apply kernel to write. ``base`` (2, C): the iteration's starting estimates
     (written when ``write``, else read). STATS_BATCH with ``momentum`` None needs ``nbt``."""
-    return FirstStage(part, split, chunk, shape, mode, stat_mean, stat_var, base, rate, momentum, write,
-                      nbt).launch()
+    return FirstStage(part, split, chunk, shape, mode=mode, stat_mean=stat_mean, stat_var=stat_var, base=base,
+                      rate=rate, momentum=momentum, write=write, nbt=nbt).launch()

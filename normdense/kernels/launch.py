@@ -44,16 +44,38 @@ class Launcher:
     """A kernel's launches: ``launch(grid, args, consts, key)`` is ``kernel[grid](*args, **consts)`` and keeps, under
     ``key``, the compiled kernel's own launcher; ``hit(grid, args, key)`` launches through it where one is kept
     (True) and does nothing otherwise (False, also while a launch hook is set): the caller then makes the normal
-    launch, and builds ``consts`` only then. ``args``: the runtime arguments in the kernel's order; ``consts``: its
-    constexprs by name, then options (num_warps). A kept launch may take an integer address for a pointer
-    (Triton's launcher passes one as it is): a row of a stacked buffer, without a tensor object for it
-    (``common.stacked``); the normal launch then takes tensors, the rows' views (``common.rows``:
-    ``kernel[grid]`` would read an integer as one)."""
-    __slots__ = ('kernel', 'cache', 'name')
+    launch, and builds ``consts`` only then. ``args``: the runtime arguments in the kernel's order, one list for
+    both launches; ``consts``: its constexprs by name, then options (num_warps).
 
-    def __init__(self, kernel):
+    ``rows``: the kernel's pointer parameters that a launch site may give as an integer address, a row of a buffer
+    that holds several (``common.stacked``; the first stage's mean, var and update): the kept launch passes the
+    address as it is (Triton's launcher takes an int for a pointer: no tensor object per row), and the normal launch
+    takes ``bind(args, *buffers)``, where each such address is a view of the buffer it points into
+    (``kernel[grid]`` would read an integer as an integer)."""
+    __slots__ = ('kernel', 'cache', 'name', 'rows')
+
+    def __init__(self, kernel, rows=()):
         self.kernel, self.cache = kernel, {}
         self.name = getattr(kernel, '__name__', repr(kernel))
+        names = list(getattr(kernel, 'arg_names', ()))
+        self.rows = tuple(names.index(r) for r in rows)  # a ValueError for a name the kernel does not have
+
+    def bind(self, args, *buffers) -> tuple:
+        """``args`` with each integer address in a ``rows`` position replaced by a view of the one of ``buffers``
+        (contiguous tensors, or None) it points into, from that address on: the normal launch's arguments."""
+        out = list(args)
+        for i in self.rows:
+            a = out[i]
+            if type(a) is not int:
+                continue
+            for b in buffers:
+                delta = -1 if b is None else a - b.data_ptr()
+                if 0 <= delta < b.numel() * b.itemsize:
+                    out[i] = b.reshape(-1)[delta // b.itemsize:]
+                    break
+            else:
+                raise ValueError(f'{self.name}: argument {i} is an address in none of the buffers given')
+        return tuple(out)
 
     def hit(self, grid, args, key) -> bool:
         d = self.cache.get(key)
@@ -163,9 +185,9 @@ def stubbed() -> bool:
 _ALL = []
 
 
-def launcher(kernel) -> Launcher:
-    """The :class:`Launcher` of ``kernel`` (one per kernel, module level)."""
-    out = Launcher(kernel)
+def launcher(kernel, rows=()) -> Launcher:
+    """The :class:`Launcher` of ``kernel`` (one per kernel, module level); ``rows``: as the class says."""
+    out = Launcher(kernel, rows)
     _ALL.append(out)
     return out
 

@@ -17,13 +17,14 @@ The float configuration (eps, proxy_eps, the activation's parameters) is ``tl.co
 argument is float32 on the GPU and would round them in float64 computations.
 """
 import functools
+from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from .activations import act_args, act_forward, act_grad
-from .common import (CHUNK, BlockSums, cdiv, grad_buffer, group_tiles, next_pow2, rows, rsqrt, sample_blocks,
+from .common import (CHUNK, BlockSums, cdiv, grad_buffer, group_tiles, next_pow2, rsqrt, sample_blocks,
                      split_sum)
 from .first_stage import FOLD_SIZES, fold, fold_args, fold_consts
 from .launch import launcher
@@ -341,7 +342,18 @@ def _act_ids(act, act_kwargs):
     return ids
 
 
-_MAP, _VJP = launcher(_coeff_map_kernel), launcher(_coeff_vjp_kernel)
+class Residuals(NamedTuple):
+    """What :func:`coeff_vjp` reads of :func:`coeff_map`'s call."""
+    m: Any
+    v: Any
+    params: tuple  # (weight, bias, proxy_beta, proxy_gamma)
+    quantiles: Any
+    key: Any  # the call's launch-cache key
+
+
+# rows (launch.Launcher): A, B, K, L'; dm and dv
+_MAP = launcher(_coeff_map_kernel, rows=('a_ptr', 'bb_ptr', 'k_ptr', 'l_ptr'))
+_VJP = launcher(_coeff_vjp_kernel, rows=('dm_ptr', 'dv_ptr'))
 
 
 def coeff_map(m, v, mean, var, params, positions, count, *, num_groups, eps, act, act_kwargs, proxy_eps,
@@ -362,12 +374,12 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups, eps, act
     fargs, fconst = fold_args(None, m) if first is None else (first.fold, None)  # its constexprs on a miss
     key = None if first is None else first.key  # the call's (``launch.Launcher``)
     a, step = coeffs.data_ptr(), n * c * coeffs.itemsize
-    args = (m, v, weight, bias, pb, pg, quantiles, a, a + step, a + 2 * step, a + 3 * step, n, c, num_groups, per,
-            quantiles.numel(), *fargs)
+    args = (m, v, weight, bias, pb, pg, quantiles,
+            a, a + step, a + 2 * step, a + 3 * step,  # A, B, K, L'
+            n, c, num_groups, per, quantiles.numel(), *fargs)
     if key is None or not _MAP.hit(grid, args, key):
-        args = args[:7] + rows(coeffs, 4) + args[11:]
-        _MAP.launch(grid, args, {**(fconst or fold_consts(first)), **consts}, key)
-    return coeffs, (m, v, params, quantiles, key)
+        _MAP.launch(grid, _MAP.bind(args, coeffs), {**(fconst or fold_consts(first)), **consts}, key)
+    return coeffs, Residuals(m=m, v=v, params=params, quantiles=quantiles, key=key)
 
 
 def coeff_vjp(res, grads, wants_stats, *, num_groups, eps, act, act_kwargs, proxy_eps, proxy_scaling,
@@ -380,7 +392,7 @@ def coeff_vjp(res, grads, wants_stats, *, num_groups, eps, act, act_kwargs, prox
     ``common.BlockSums`` of their partials in place of the parameter gradients, for dx to sum; ``defer`` (the
     engine's: dx follows) also returns dm, dv as one (2, N, C) buffer in dm's place, dv None (``triton.dx``). ``chunk``,
     ``tile``: as coeff_map's."""
-    m, v, params, quantiles, key = res
+    m, v, params, quantiles, key = res.m, res.v, res.params, res.quantiles, res.key
     weight, bias, proxy_beta, proxy_gamma = params
     g, gsplit, gstride, gk = grad_buffer(grads)
     per, _, (grid, sb, n_per, consts) = _config(m, num_groups, quantiles, act, act_kwargs, chunk, tile, eps,
@@ -391,9 +403,9 @@ def coeff_vjp(res, grads, wants_stats, *, num_groups, eps, act, act_kwargs, prox
     dw, db, dpb, dpg = out.slots[:4]
     pb, pg = (proxy_beta, proxy_gamma) if proxy_affine else (weight, weight)
     d = dmv.data_ptr()
-    args = (m, v, weight, bias, pb, pg, quantiles, g, d, d + n * c * dmv.itemsize, dw, db, dpb, dpg, n, c, num_groups,
-            per, quantiles.numel(), gsplit, gstride, gk, n_per, out.stride)
+    args = (m, v, weight, bias, pb, pg, quantiles, g,
+            d, d + n * c * dmv.itemsize,  # dm, dv
+            dw, db, dpb, dpg, n, c, num_groups, per, quantiles.numel(), gsplit, gstride, gk, n_per, out.stride)
     if key is None or not _VJP.hit(grid, args, key):  # the forward's key: the VJP's arguments follow from it
-        args = args[:8] + rows(dmv, 2)[:2] + args[10:]
-        _VJP.launch(grid, args, consts, key)
+        _VJP.launch(grid, _VJP.bind(args, dmv), consts, key)
     return ((dmv, None) if defer else (dmv[0], dmv[1])) + out.result(defer)

@@ -19,7 +19,7 @@ import torch
 
 from .activations import act_args
 from .backend import Statistics, StatsRequest, compile_errors, device_guard, ncl
-from .common import FINISH_BLOCK, acc_dtype, cdiv, cl_blocks, hi_lo, rows, stacked
+from .common import FINISH_BLOCK, acc_dtype, cdiv, cl_blocks, hi_lo, stacked
 from .first_stage import FirstStage
 from .launch import launcher
 from .passes import _apply_kernel, _dx_kernel, _merge_kernel, _moments_kernel, _sums_kernel
@@ -28,8 +28,12 @@ ACT_NONE = -1  # y = A t + B, no activation
 _NO_ACT = (ACT_NONE, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)  # (id, p0 hi, lo, p1 hi, lo) and the raw p0, p1
 
 _TARGET_PROGRAMS = 1024  # enough programs to fill an H100's 132 SMs several times over
-_MOMENTS, _APPLY, _SUMS, _MERGE, _DX = (launcher(k) for k in (_moments_kernel, _apply_kernel, _sums_kernel,
-                                                               _merge_kernel, _dx_kernel))
+# rows: the pointers a site may give as an address (launch.Launcher): the coefficients (common.stacked), dm and dv,
+# the first stage's update and mean (first_stage.FirstStage)
+_MOMENTS, _MERGE = launcher(_moments_kernel), launcher(_merge_kernel)
+_APPLY = launcher(_apply_kernel, rows=('a_ptr', 'b_ptr', 'k_ptr', 'l_ptr', 'upd_ptr'))
+_SUMS = launcher(_sums_kernel, rows=('a_ptr', 'b_ptr', 'k_ptr'))
+_DX = launcher(_dx_kernel, rows=('a_ptr', 'b_ptr', 'k_ptr', 'dm_ptr', 'dv_ptr', 'mean_ptr'))
 
 
 def block_for(dtype: torch.dtype) -> int:
@@ -225,17 +229,19 @@ def _apply(x3, cl, m, v, coeffs, act, out_dtype, write, nbt, split=None, key=Non
         y = torch.empty_like(x3, dtype=out_dtype)
     if g is None or y.dtype != x3.dtype:
         g = _geom(x3, cl, y, split)
-    # the coefficients (``common.stacked``): their rows by address on a kept launch
+    # the coefficients (``common.stacked``): their rows by address (_APPLY's rows)
     a, step = coeffs.data_ptr(), g.n * g.c * coeffs.itemsize
-    k, l_ = (a + 2 * step, a + 3 * step) if act_id >= 0 else (a, a + step)
     upd, rm, rv = write if write is not None else (m, m, m)
-    args = (x3, y, m, v, a, a + step, k, l_, upd, rm, rv, m if nbt is None else nbt, g.c, g.length, g.chunk,
-            int(write is not None), int(nbt is not None), act[1], act[2], act[3], act[4])
+    args = (x3, y, m, v,
+            a, a + step,  # A, B
+            *((a + 2 * step, a + 3 * step) if act_id >= 0 else (a, a + step)),  # K, L' (not read without act)
+            upd, rm, rv,  # the buffers' new values (an address in the planned first stage's), the buffers
+            m if nbt is None else nbt,  # num_batches_tracked (not read without INC)
+            g.c, g.length, g.chunk, int(write is not None), int(nbt is not None), act[1], act[2], act[3], act[4])
     if key is None or not _APPLY.hit(g.grid, args, key):
-        args = args[:4] + rows(coeffs, 4 if act_id >= 0 else 2) + \
-            (first.outputs[5] if isinstance(upd, int) else upd, ) + args[9:]
-        _APPLY.launch(g.grid, args, {'ACT': act_id, 'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v, 'SMALL': g.small,
-                                     'CL': cl, 'ACC': acc_dtype(x3.dtype)}, key)
+        _APPLY.launch(g.grid, _APPLY.bind(args, coeffs, first and first.chan),
+                      {'ACT': act_id, 'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v, 'SMALL': g.small, 'CL': cl,
+                       'ACC': acc_dtype(x3.dtype)}, key)
     return y
 
 
@@ -261,11 +267,11 @@ def _sums(x3, cl, dy, m, v, coeffs, act, merged=True, split=None, key=None, g=No
     split = g.grid[1]
     part = m.new_empty(split, count, n, c)
     a, step = coeffs.data_ptr(), n * c * coeffs.itemsize  # ``common.stacked``, as in _apply
-    args = (x3, dy, part, m, v, a, a + step, a + 2 * step if act_id >= 0 else a, n * c, c, length, g.chunk, act[1],
-            act[2], act[3], act[4])
+    args = (x3, dy, part, m, v,
+            a, a + step, a + 2 * step if act_id >= 0 else a,  # A, B, K (not read without act)
+            n * c, c, length, g.chunk, act[1], act[2], act[3], act[4])
     if key is None or not _SUMS.hit(g.grid, args, key):
-        args = args[:5] + rows(coeffs, count)[:3] + args[8:]
-        _SUMS.launch(g.grid, args, {'ACT': act_id, 'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v, 'CL': cl,
+        _SUMS.launch(g.grid, _SUMS.bind(args, coeffs), {'ACT': act_id, 'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v, 'CL': cl,
                                     'ACC': acc_dtype(x3.dtype)}, key)
     if not merged:  # the layers' VJP kernels and dx read this buffer as it is (common.grad_buffer)
         return part
@@ -312,13 +318,15 @@ def _dx(x3, cl, dy, m, v, coeffs, dmv, gsum, act, batch=None, finish=None, split
     bsplit, bstride = (dmean.shape[0], dmean.stride(0)) if batch is not None and dmean.dim() == 2 else (1, 0)
     src, dst, fin_p, fin_sb, fin_stride = finish.dx_args(g.grid[0], finish_block) if finish is not None else \
         (m, m, 0, 1, 0)
-    args = (x3, dy, out, m, v, a, a + step, a + 2 * step if act_id >= 0 else a, d, d + g.n * g.c * dmv.itemsize, gsum,
-            mean, dmean, dvar, src, dst, g.c, g.length, g.chunk, goff, gsplit, gstride, bsplit, bstride, fin_p, fin_sb,
-            fin_stride, *hi_lo(scale), act[1], act[2], act[3], act[4])
+    args = (x3, dy, out, m, v,
+            a, a + step, a + 2 * step if act_id >= 0 else a,  # A, B, K (not read without act)
+            d, d + g.n * g.c * dmv.itemsize,  # dm, dv
+            gsum,
+            mean, dmean, dvar,  # the batch statistics' mean (an address in the planned first stage's) and VJP
+            src, dst, g.c, g.length, g.chunk, goff, gsplit, gstride, bsplit, bstride, fin_p, fin_sb, fin_stride,
+            *hi_lo(scale), act[1], act[2], act[3], act[4])
     if key is None or not _DX.hit(g.grid, args, key):
-        args = args[:5] + rows(coeffs, 4 if act_id >= 0 else 2)[:3] + rows(dmv, 2)[:2] + args[10:11] + \
-            (first.outputs[2] if isinstance(mean, int) else mean, ) + args[12:]
-        _DX.launch(g.grid, args, {'ACT': act_id, 'BATCH': batch is not None, 'BLOCK': g.block, 'BLOCK_C': g.block_c,
+        _DX.launch(g.grid, _DX.bind(args, coeffs, dmv, first and first.chan), {'ACT': act_id, 'BATCH': batch is not None, 'BLOCK': g.block, 'BLOCK_C': g.block_c,
                                   'V': g.v, 'SMALL': g.small, 'CL': cl, 'ACC': acc_dtype(x3.dtype),
                                   'FINISH': fin_p > 0}, key)
     return out
@@ -346,12 +354,16 @@ class TritonBackend:
             x3, cl = read_layout(x3)
         r = request
         partials, g = _moment_partials(x3, cl, None, r.key)
-        plan = FirstStage(partials, g.grid[1], g.chunk, (g.n, g.c, g.length), r.mode, r.stat_mean, r.stat_var,
-                          r.base, r.rate, r.momentum, r.write, r.nbt, r.key)
+        plan = FirstStage(partials, g.grid[1], g.chunk, (g.n, g.c, g.length), mode=r.mode, stat_mean=r.stat_mean,
+                          stat_var=r.stat_var, base=r.base, rate=r.rate, momentum=r.momentum, write=r.write, nbt=r.nbt,
+                          key=r.key)
         plan.geometry = g  # the later passes' where y and dy have x3's dtype
         if deferred:  # mean, var and the update by address (the kept launches take them so; ``FirstStage``)
-            return x3, Statistics(plan.m, plan.v, plan.mean, plan.var, plan.moved, plan.update, plan, None, request)
-        return x3, Statistics(*plan.launch(), None, None, request)
+            return x3, Statistics(m=plan.m, v=plan.v, mean=plan.mean, var=plan.var, moved=plan.moved,
+                                  update=plan.update, plan=plan, out=None, request=request)
+        o = plan.launch()
+        return x3, Statistics(m=o.m, v=o.v, mean=o.mean, var=o.var, moved=o.moved, update=o.update, plan=None, out=None,
+                              request=request)
 
     read_input = staticmethod(as_read)
 

@@ -19,12 +19,13 @@ VJP one program per (block of channels, block of samples), which first sums its 
 channels (recomputed by every program) and then sums over its samples (``common.BlockSums`` at large N).
 """
 import functools
+from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import (BlockSums, cdiv, from_hi_lo, grad_buffer, hi_lo, next_pow2, rows, rsqrt, sample_blocks,
+from .common import (BlockSums, cdiv, from_hi_lo, grad_buffer, hi_lo, next_pow2, rsqrt, sample_blocks,
                      split_sum)
 from .first_stage import FOLD_SIZES, fold, fold_args, fold_consts
 from .launch import launcher
@@ -211,7 +212,23 @@ def _launch_plan(n: int, c: int, dtype, affine: bool, wants_stats: bool):
              'num_warps': max(1, min(4, block_n * block_c // 32))})
 
 
-_MAP, _VJP = launcher(_coeff_map_kernel), launcher(_coeff_vjp_kernel)
+class Residuals(NamedTuple):
+    """What :func:`coeff_vjp` reads of :func:`coeff_map`'s call."""
+    m: Any
+    v: Any
+    mean: Any  # (C,), or the address of a planned first stage's row
+    rs: Any  # 1 / sqrt(var + eps) (C,), written by the map
+    alpha: Any
+    w: Any  # gamma, or None without affine
+    p: Any  # Eq. 16's p per sample (N,), written by the map
+    split: tuple  # the map's scalars as (hi, lo) pairs
+    key: Any  # the call's launch-cache key
+    first: Any  # the planned first stage, or None
+
+
+# rows (launch.Launcher): the planned first stage's mean and var, A and B; the mean again, dm and dv
+_MAP = launcher(_coeff_map_kernel, rows=('mean_ptr', 'var_ptr', 'a_ptr', 'bo_ptr'))
+_VJP = launcher(_coeff_vjp_kernel, rows=('mean_ptr', 'dm_ptr', 'de_ptr'))
 
 
 def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None, norm_divisor='hw',
@@ -235,14 +252,14 @@ def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None,
     fargs, fconst = fold_args(None, m) if first is None else (first.fold, None)  # its constexprs on a miss
     key = None if first is None else first.key  # the call's (``launch.Launcher``)
     a = coeffs.data_ptr()
-    args = (m, v, mean, var, alpha, w if affine else alpha, b if affine else alpha, a, a + N * C * coeffs.itemsize, p,
-            rs, N, C, *split, *fargs)
+    args = (m, v, mean, var,  # mean, var: addresses in a planned first stage's rows
+            alpha, w if affine else alpha, b if affine else alpha,  # (alpha in the unused places: not read)
+            a, a + N * C * coeffs.itemsize,  # A, B
+            p, rs, N, C, *split, *fargs)
     if key is None or not _MAP.hit(grid, args, key):
-        if first is not None:  # the planned stage's mean, var come by address: the normal launch binds tensors
-            args = args[:2] + first.outputs[2:4] + args[4:]
-        args = args[:7] + rows(coeffs, 2)[:2] + args[9:]
-        _MAP.launch(grid, args, {**consts, **(fconst or fold_consts(first))}, key)
-    return coeffs, (m, v, mean, rs, alpha, w if affine else None, p, split, key, first)
+        _MAP.launch(grid, _MAP.bind(args, coeffs, first and first.chan), {**consts, **(fconst or fold_consts(first))}, key)
+    return coeffs, Residuals(m=m, v=v, mean=mean, rs=rs, alpha=alpha, w=w if affine else None, p=p, split=split, key=key,
+                             first=first)
 
 
 def coeff_vjp(res, grads, wants_stats, *, affine, defer=False):
@@ -254,7 +271,8 @@ def coeff_vjp(res, grads, wants_stats, *, affine, defer=False):
     ``defer`` returns their partials, dmean, dvar (SB, C) and a ``BlockSums`` in place of the parameter
     gradients, for dx to sum; else they are summed here. ``defer`` (the engine's: dx follows) also returns
     dm, dv as one (2, N, C) buffer in dm's place, dv None (``triton.dx`` takes them so)."""
-    m, v, mean, rs, alpha, w, p, split, key, first = res
+    m, v, mean, rs, alpha, w, p, split, key, first = (res.m, res.v, res.mean, res.rs, res.alpha, res.w, res.p, res.split,
+                                                      res.key, res.first)
     g, gsplit, gstride, gk = grad_buffer(grads)
     N, C = m.shape
     _, _, grid, blocks, n_per, consts = _launch_plan(N, C, m.dtype, affine, bool(wants_stats))
@@ -262,9 +280,10 @@ def coeff_vjp(res, grads, wants_stats, *, affine, defer=False):
     out = BlockSums(blocks, m, (alpha, w, w if affine else None), wants_stats)
     dalpha, dw, db, dmean, dvar = out.slots
     d = dmv.data_ptr()
-    args = (m, v, mean, rs, alpha, w if affine else alpha, p, g, d, d + N * C * dmv.itemsize, dmean, dvar, dalpha, dw,
-            db, N, C, gsplit, gstride, gk, n_per, out.stride, *split[2:])
+    args = (m, v, mean,  # as in coeff_map
+            rs, alpha, w if affine else alpha, p, g,
+            d, d + N * C * dmv.itemsize,  # dm, dv
+            dmean, dvar, dalpha, dw, db, N, C, gsplit, gstride, gk, n_per, out.stride, *split[2:])
     if key is None or not _VJP.hit(grid, args, key):  # the forward's key: the VJP's arguments follow from it
-        args = args[:2] + (mean if first is None else first.outputs[2], ) + args[3:8] + rows(dmv, 2)[:2] + args[10:]
-        _VJP.launch(grid, args, consts, key)
+        _VJP.launch(grid, _VJP.bind(args, dmv, first and first.chan), consts, key)
     return ((dmv, None) if defer else (dmv[0], dmv[1])) + out.result(defer)

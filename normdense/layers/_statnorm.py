@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..errors import ExportError
 from ..kernels import backend as _backend
 from ..kernels.aten import AtenBackend
-from ..kernels.backend import (STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, PendingSums, Statistics, StatsRequest,
+from ..kernels.backend import (STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, PendingSums, StatsRequest,
                                autocast_on, exporting, give_up_triton, ncl)
 from ._distributed import synced_batch_moments, synced_batch_moments_vjp
 from ._estimate import _TASK_ID, _TOKEN, in_backward, mark_iteration, mark_on_backward
@@ -48,7 +48,7 @@ class _Call(NamedTuple):  # a NamedTuple: a frozen dataclass's __init__ costs 3x
     """What the Function's forward and backward need of one call besides tensors."""
     plan: _Plan
     maps: tuple  # the maps this call runs (the torch ones for all-reduced statistics)
-    kernel_maps: bool  # maps are the layer's kernel transcriptions
+    kernel: bool  # maps are the layer's kernel transcriptions
     kind: str  # the statistics: 'none' | 'fixed' | 'batch' | 'synced'
     count: Any  # values per channel behind batch statistics (an int, a tensor when all-reduced), else None
     option: Optional[str]  # the layer's backend option (a failed compile under 'auto' falls back)
@@ -180,7 +180,8 @@ class StatNorm2d(StatNormState):
             return self._watch(compiled_call(self, x))
         plan = self.__dict__['_plans'].get((x.dtype, x.device, _backend._STATE['broken']))
         # the direct route (Triton, x's device current, no collectives): no context to enter
-        if plan is not None and plan.direct and (plan.cuda is None or plan.cuda == _backend.current_device()) \
+        if plan is not None and plan.direct and (plan.device is None or plan.device < 0
+                                                 or plan.device == _backend.current_device()) \
                 and not (self.sync_stats and _DIST and dist.is_initialized()):
             try:
                 return self._run(x, plan, None, False)
@@ -206,8 +207,8 @@ class StatNorm2d(StatNormState):
         # the collectives read m, v: torch code between the passes
         synced = self.sync_stats and _DIST and dist.is_initialized() and dist.get_world_size() > 1
         try:
-            if plan.cuda is not None and plan.cuda != _backend.current_device():
-                with torch.cuda.device(plan.cuda):  # Triton launches on the current device and stream
+            if plan.device is not None and plan.device >= 0 and plan.device != _backend.current_device():
+                with torch.cuda.device(plan.device):  # Triton launches on the current device and stream
                     return self._run_autocast(x, plan, keep, synced)
             return self._run_autocast(x, plan, keep, synced)
         except plan.errors as e:  # under 'auto': the ATen backend takes this call and the next
@@ -216,7 +217,7 @@ class StatNorm2d(StatNormState):
         return self._run_autocast(x, self._plan(x), keep, synced)
 
     def _run_autocast(self, x, plan: _Plan, keep, synced):
-        if (plan.autocast or synced) and autocast_on(x.device.type):  # torch code between the passes
+        if (not plan.direct or synced) and autocast_on(x.device.type):  # torch code between the passes
             with torch.autocast(x.device.type, enabled=False):
                 return self._run(x, plan, keep, synced)
         return self._run(x, plan, keep, synced)
@@ -258,10 +259,11 @@ class StatNorm2d(StatNormState):
             mode = (self.training, self.mode, self.sync_stats, self.momentum is None) if self._FIRST_STAGE else ()
             key = _launch_key(plan.device, plan.serial, x3, params, mode)
         n, _, length = ncl(x)
-        x3, stats, kind, count, step = self._first_stage(plan.backend, x3, key, synced, n * length)
-        kernel = plan.backend.kernel_maps and kind != 'synced'  # the kernel maps take no all-reduced count
-        call = _Call(plan, plan.maps if kernel else plan.torch_maps, kernel, kind, count, self.backend,
-                     self.mode == 'estimate' and self.training)
+        x3, stats, kind, count, step = self._first_stage(plan.backend, x3, key, synced, n * length,
+                                                         plan.kernel_maps is not None)
+        kernel = plan.kernel_maps is not None and kind != 'synced'  # the kernel maps take no all-reduced count
+        call = _Call(plan=plan, maps=plan.kernel_maps if kernel else plan.torch_maps, kernel=kernel, kind=kind,
+                     count=count, option=self.backend, ends_iteration=self.mode == 'estimate' and self.training)
         if stats.plan is None:
             coeffs, res = call.maps[0](stats.m, stats.v, stats.mean, stats.var, params, length, count)
         else:  # the planned first stage runs in the map's launch
@@ -280,8 +282,7 @@ class StatNorm2d(StatNormState):
             ctx.remake = x3 is not x
             # without the output storage (not kept alive); a planned stage stays (its outputs, its geometry; the
             # backend drops its partials once they are read)
-            ctx.stats = stats if stats.out is None else \
-                Statistics(stats.m, stats.v, stats.mean, stats.var, stats.moved, None, None, None, stats.request)
+            ctx.stats = stats if stats.out is None else stats._replace(update=None, out=None)
         if step is not None:  # after the kernels: the iteration's total
             it, buffers = step
             self._estimates.end(it, stats.moved, n * length, buffers)
@@ -289,15 +290,17 @@ class StatNorm2d(StatNormState):
             return y4
         return y if y.dim() == len(shape) else _reshaped_base(y, shape)
 
-    def _first_stage(self, be, x3, key, synced, count):
+    def _first_stage(self, be, x3, key, synced, count, deferred=True):
         """(x3 as the backend reads it, :class:`Statistics`, kind, count, (the open iteration, the buffers) to close
-        after the kernels or None); ``count``: x3's values per channel, N L."""
+        after the kernels or None); ``count``: x3's values per channel, N L; ``deferred``: a kernel map runs the
+        statistics in its own launch where the backend can (else they are computed now: torch maps read them)."""
         if not self._FIRST_STAGE:
-            return (*be.first_stage(x3, StatsRequest(key=key)), 'none', None, None)
+            return (*be.first_stage(x3, StatsRequest(key=key), deferred), 'none', None, None)
         b = self._buffers
         rm, rv, nbt = b['running_mean'], b['running_var'], b.get('num_batches_tracked')
         if not self.training:
-            return (*be.first_stage(x3, StatsRequest(STATS_FIXED, rm, rv, key=key)), 'fixed', None, None)
+            return (*be.first_stage(x3, StatsRequest(STATS_FIXED, stat_mean=rm, stat_var=rv, key=key), deferred),
+                    'fixed', None, None)
         estimate = self.mode == 'estimate'
         if synced and (estimate or self._SYNC_BATCH):  # the collectives read m, v now
             x3, st = be.first_stage(x3, StatsRequest(key=key and key + ('synced', )), deferred=False)
@@ -306,14 +309,14 @@ class StatNorm2d(StatNormState):
         if estimate:  # Algorithm 1, once per iteration
             it, backward = self._estimates.begin((rm, rv, nbt), self._rate, deferred=True)
             first = it.total is None and not backward
-            request = StatsRequest(STATS_ESTIMATE, rm, rv, it.base, it.rate, 0.1, first, nbt if first else None,
-                                   key and key + (first, ))
-            return (*be.first_stage(x3, request), 'fixed', None, None if backward else (it, (rm, rv, nbt)))
+            request = StatsRequest(STATS_ESTIMATE, stat_mean=rm, stat_var=rv, base=it.base, rate=it.rate, write=first,
+                                   nbt=nbt if first else None, key=key and key + (first, ))
+            return (*be.first_stage(x3, request, deferred), 'fixed', None, None if backward else (it, (rm, rv, nbt)))
         # a checkpoint's recomputation (in_backward(), inlined: two calls a step): no state change
         backward = _TASK_ID is not None and _TASK_ID() != -1
-        request = StatsRequest(STATS_BATCH, rm, rv, None, 0.0, self.momentum, not backward,
-                               None if backward else nbt, key and key + (backward, ))
-        return (*be.first_stage(x3, request), 'batch', count, None)
+        request = StatsRequest(STATS_BATCH, stat_mean=rm, stat_var=rv, momentum=self.momentum, write=not backward,
+                               nbt=None if backward else nbt, key=key and key + (backward, ))
+        return (*be.first_stage(x3, request, deferred), 'batch', count, None)
 
     def _synced_stats(self, m, v, positions):
         """(kind, mean, var, count) across processes, the buffers moved."""
@@ -339,8 +342,8 @@ def _backward(ctx, x3, dy):
     """(dx, dparams) for dy in x3's shape and dtype (x3: (N, C, L), or x itself on the kernel maps' backend)."""
     call, stats, pc = ctx.call, ctx.stats, ctx.pc
     be, act = call.plan.backend, call.plan.act
-    grads, state = be.sums(x3, dy, stats, pc, act, not call.kernel_maps)
-    if call.kernel_maps:  # large N: the kernel maps may leave the sample blocks' partial sums for dx's launch
+    grads, state = be.sums(x3, dy, stats, pc, act, not call.kernel)
+    if call.kernel:  # large N: the kernel maps may leave the sample blocks' partial sums for dx's launch
         dm, dv, dmean, dvar, dparams = call.maps[1](ctx.res, grads, call.kind == 'batch', defer=True)
     else:
         dm, dv, dmean, dvar, dparams = call.maps[1](ctx.res, grads, call.kind in ('batch', 'synced'))
@@ -377,20 +380,20 @@ def _backward_or_fallback(ctx, dy):
         x3 = _passes_input(x3, plan)
     dy = plan.backend.grad_layout(dy, x3)  # dy may be expanded (a sum's grad); once for both passes
     try:
-        if not call.kernel_maps and autocast_on(x3.device.type):  # torch code between the passes
+        if not call.kernel and autocast_on(x3.device.type):  # torch code between the passes
             with torch.autocast(x3.device.type, enabled=False):
                 return _backward(ctx, x3, dy)
-        if plan.cuda is not None and plan.cuda != _backend.current_device():
-            with torch.cuda.device(plan.cuda):  # autograd may run the backward with another device current
+        if plan.device is not None and plan.device >= 0 and plan.device != _backend.current_device():
+            with torch.cuda.device(plan.device):  # autograd may run the backward with another device current
                 return _backward(ctx, x3, dy)
         return _backward(ctx, x3, dy)
     except plan.errors as e:
         give_up_triton(call.option, e)
         n, c, length = ncl(x3)
         x3 = x3.reshape(n, c, length)  # the Triton path's x3 may be x itself
-        aten = plan._replace(backend=AtenBackend, errors=(), maps=plan.torch_maps, device=None, cuda=None,
-                             autocast=True, direct=False, act=plan.activation)
-        ctx.call = call = call._replace(plan=aten, maps=plan.torch_maps, kernel_maps=False)
+        aten = plan._replace(backend=AtenBackend, errors=(), kernel_maps=None, device=None, direct=False,
+                             act=plan.activation)
+        ctx.call = call = call._replace(plan=aten, maps=plan.torch_maps, kernel=False)
         stats = ctx.stats = tensor_stats(ctx.stats)
         coeffs, ctx.res = call.maps[0](stats.m, stats.v, stats.mean, stats.var, ctx.params, length, call.count)
         ctx.pc = AtenBackend.prepare(coeffs, stats.v)

@@ -18,7 +18,8 @@ def tensor_stats(stats: Statistics) -> Statistics:
     """``stats`` with tensors for mean and var (a planned first stage, the Triton path, gives their addresses)."""
     if stats.plan is None:
         return stats
-    return Statistics(*stats.plan.outputs, None, None, stats.request)
+    o = stats.plan.outputs
+    return stats._replace(mean=o.mean, var=o.var, update=o.update, plan=None)
 
 
 def _synced_moments(m: torch.Tensor, v: torch.Tensor, positions: int):

@@ -12,26 +12,27 @@ import torch
 from ..kernels import backend as _backend
 from ..kernels import resolve
 from ..kernels.backend import HALF as _HALF
+from ..kernels.backend import Backend
 from ..kernels.launch import stubbed
 
 
 class _Plan(NamedTuple):
     """What a layer's call needs besides tensors, once per (x's dtype, x's device, backend state), cached on the
     layer (its ``__setattr__`` and ``_apply`` drop them): no per-call planning."""
-    backend: Any  # a kernels.backend.Backend
+    backend: Backend
     errors: tuple  # what the backend raises for a kernel that does not compile (ATen: none)
     cd: torch.dtype  # the compute dtype of the statistics
     out_dtype: torch.dtype
     convert: bool  # x3 goes to cd first (e.g. float32 x with float64 parameters)
-    maps: tuple  # (coeff_map, coeff_vjp) of the backend's kind
-    torch_maps: tuple  # the layer's torch maps (all-reduced statistics, a failed compile's fallback)
-    act: Any  # GN+PN's activation as the backend's passes take it (``Backend.act_form``), or None
-    device: Optional[int]  # where launches are cached (``launch.Launcher``): the CUDA index (-1: stubbed), else None
+    torch_maps: tuple  # the layer's (coeff_map, coeff_vjp) in torch: ATen's, all-reduced statistics, fallbacks
+    kernel_maps: Optional[tuple]  # the layer's kernel transcriptions where the backend runs them, else None
+    activation: Any  # the layer's activation (GN+PN: an Activation), or None
+    act: Any  # the activation as the backend's passes take it (``Backend.act_form``, made once here), or None
+    # where launches are cached and must run (``launch.Launcher``): the CUDA index, -1 for stubbed launches on
+    # the CPU, None where nothing is cached (ATen, the interpreter)
+    device: Optional[int]
     serial: int  # this plan's number in the process: part of each call's launch-cache key
-    cuda: Optional[int]  # the CUDA device the launches need current (Triton), else None
-    autocast: bool  # torch code runs between the passes: autocast off around them
-    direct: bool  # the kernel maps run: no torch code between the passes without collectives
-    activation: Any  # the layer's activation object (GN+PN), or None
+    direct: bool  # the kernel maps' backend: no torch code between the passes (autocast left as it is)
 
 
 _SERIAL = itertools.count()
@@ -77,14 +78,16 @@ def make_plan(layer, x: torch.Tensor, be) -> _Plan:
     params = layer._statnorm_params()
     cd, out_dtype = layer.stat_dtype(x, *params), layer._output_dtype(x)
     torch_maps = layer._coeff_maps(False)
-    maps = layer._coeff_maps(True) if be.kernel_maps else torch_maps
-    device = cuda = None
+    # None: the backend runs no kernel maps, or the layer has none (its torch maps then run between the passes)
+    kernel_maps = layer._coeff_maps(True) if be.kernel_maps else None
+    device = None
     where = _backend._device_of(x)
     if where.type == 'cuda' and be.kernel_maps:  # launches cached where they compile (the interpreter: none)
-        device = cuda = where.index
+        device = where.index
     elif be.kernel_maps and stubbed():  # benchmarks/host.py: the cached path, its driver calls stubbed
         device = -1
     act = layer._statnorm_act()
-    return _Plan(be, be.compile_errors(), cd, out_dtype, x.dtype not in _HALF and x.dtype != cd, maps,
-                 torch_maps, None if act is None else be.act_form(act), device, next(_SERIAL), cuda,
-                 not be.kernel_maps, be.kernel_maps, act)
+    return _Plan(backend=be, errors=be.compile_errors(), cd=cd, out_dtype=out_dtype,
+                 convert=x.dtype not in _HALF and x.dtype != cd, torch_maps=torch_maps, kernel_maps=kernel_maps,
+                 activation=act, act=None if act is None else be.act_form(act), device=device, serial=next(_SERIAL),
+                 direct=kernel_maps is not None)

@@ -35,6 +35,20 @@ class BCNConfig(NamedTuple):
     group_affine: bool
 
 
+class Residuals(NamedTuple):
+    """What :func:`coeff_vjp` reads of :func:`coeff_map`'s work (channel-sized)."""
+    rs: torch.Tensor  # 1 / sqrt(var + eps)
+    a: torch.Tensor  # gamma^b rs
+    a2: torch.Tensor  # a^2
+    mc: torch.Tensor  # m - mean
+    v: torch.Tensor
+    d: torch.Tensor  # u's sample-channel means minus their group's
+    r: torch.Tensor  # 1 / sigma_g
+    w: torch.Tensor  # gamma^c
+    s: torch.Tensor  # r gamma^c
+    bw: torch.Tensor  # gamma^b
+
+
 def coeff_map(cfg, m, v, mean, var, params, positions, count):
     """Eq. 40-42 as per-(n, c) (A, B) of y = A (x - m) + B from x's per-(n, c) moments m, v: u = a (x - mean) +
     beta^b, a = gamma^b / sqrt(var + eps); u's group moments by the law of total variance; A = gamma^c a / sigma_g,
@@ -55,12 +69,12 @@ def coeff_map(cfg, m, v, mean, var, params, positions, count):
     s = r * wv
     coeffs = (s * a.view(g, per)).view(n, c), torch.addcmul(bv, s, d).view(n, c)
     # w, not its view: a view held by the backward's state pins the parameter (swap_tensors refuses to move it)
-    return coeffs, (rs, a, a2, mc, v, d, r, w, s, bw)
+    return coeffs, Residuals(rs=rs, a=a, a2=a2, mc=mc, v=v, d=d, r=r, w=w, s=s, bw=bw)
 
 
 def coeff_vjp(cfg, res, grads, wants_stats):
     """Closed-form VJP of :func:`coeff_map`: (dm, dv, dmean, dvar, d(batch_weight, batch_bias, weight, bias))."""
-    rs, a, a2, mc, v, d, r, w, s, bw = res
+    rs, a, a2, mc, v, d, r, s, bw, w = res.rs, res.a, res.a2, res.mc, res.v, res.d, res.r, res.s, res.bw, res.w
     ga, gb = grads
     n, c = ga.shape
     g = cfg.num_groups

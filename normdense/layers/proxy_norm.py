@@ -15,7 +15,7 @@ activation to its output (``act_cfg=None``, ``PNResNet``; ``ProxyNormCheckHook``
 import functools
 import math
 import statistics
-from typing import NamedTuple, Optional, Tuple, Union
+from typing import Any, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -62,6 +62,21 @@ class PNConfig(NamedTuple):
     proxy_affine: bool
 
 
+class Residuals(NamedTuple):
+    """What :func:`coeff_vjp` reads of :func:`coeff_map`'s work."""
+    d: torch.Tensor  # the sample-channel means minus their group's (N, G, per)
+    r: torch.Tensor  # 1 / sigma_g
+    w: torch.Tensor  # gamma
+    a3: torch.Tensor  # A (N, G, per)
+    y: torch.Tensor  # the proxy samples (C, n)
+    z: torch.Tensor  # gamma y + beta
+    out: torch.Tensor  # phi(z)
+    pmean: torch.Tensor  # E[phi(z)] per channel
+    k: Optional[torch.Tensor]  # K (None without proxy scaling)
+    q: torch.Tensor  # the quantiles
+    act: Any  # phi (an Activation)
+
+
 def coeff_map(cfg, m, v, mean, var, params, positions, count):
     """Eq. 7 as y = K phi(A (x - m) + B) + L from x's per-(n, c) moments m, v: A = gamma / sigma_g,
     B = beta + A (m - mu_g); per channel K = 1 / sqrt(Var[phi(gamma Y + beta)] + eps_pn), L = -E[...] K. Pure."""
@@ -90,11 +105,12 @@ def coeff_map(cfg, m, v, mean, var, params, positions, count):
     l_ = -pmean * k if cfg.proxy_scaling else -pmean
     kk = k.expand(n, c) if cfg.proxy_scaling else m.new_ones(1).expand_as(m)
     coeffs = a3.view(n, c), b3.view(n, c), kk, l_.expand(n, c)
-    return coeffs, (d, r, w, a3, y, z, out, pmean, k, q, act)
+    return coeffs, Residuals(d=d, r=r, w=w, a3=a3, y=y, z=z, out=out, pmean=pmean, k=k, q=q, act=act)
 
 def coeff_vjp(cfg, res, grads, wants_stats):
     """Closed-form VJP of :func:`coeff_map`: (dm, dv, None, None, d(weight, bias, proxy_beta, proxy_gamma))."""
-    d, r, w, a3, y, z, out, pmean, k, q, act = res
+    d, r, w, a3, y, z, out, pmean, k, q, act = (res.d, res.r, res.w, res.a3, res.y, res.z, res.out, res.pmean, res.k,
+                                               res.q, res.act)
     ga, gb, gk, gl = grads
     n, c = ga.shape
     g = cfg.num_groups

@@ -18,7 +18,7 @@ statistics. Options, the Keras code's conventions and why: docs/unitization_equi
 """
 import functools
 import numbers
-from typing import NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -52,6 +52,22 @@ def _divisor(cfg, positions: int) -> float:
     return float(positions) ** (2 if cfg.norm_divisor == 'hw_squared' else 1)
 
 
+class Residuals(NamedTuple):
+    """What :func:`coeff_vjp` reads of :func:`coeff_map`'s work."""
+    rs: torch.Tensor  # 1 / sqrt(var + eps)
+    rs2: torch.Tensor  # rs^2
+    mc: torch.Tensor  # m - mean
+    e: torch.Tensor  # v + mc^2
+    p: torch.Tensor  # Eq. 16's p per sample (N, 1)
+    alpha: torch.Tensor
+    sc0: torch.Tensor  # p alpha + 1 - alpha
+    w: Optional[torch.Tensor]  # gamma (None without affine)
+    scale: torch.Tensor  # sc0 gamma
+    a: torch.Tensor  # A
+    k: float  # L / n
+    count: Any  # the batch statistics' values per channel, or None
+
+
 def coeff_map(cfg, m, v, mean, var, params, positions, count):
     """Both stages as per-(n, c) (A, B) of y = A (x - m) + B from x's per-(n, c) moments m, v (``count``: batch
     statistics): sum x_hat^2 = sum_c L (v + (m - mean)^2) rs^2, A = gamma (p alpha + 1 - alpha) rs. Pure."""
@@ -69,11 +85,13 @@ def coeff_map(cfg, m, v, mean, var, params, positions, count):
     scale = sc0 * w if cfg.affine else sc0
     a = scale * rs
     b_ = torch.addcmul(b, a, mc) if cfg.affine else a * mc
-    return (a, b_), (rs, rs2, mc, e, p, alpha, sc0, w, scale, a, k, count)
+    return (a, b_), Residuals(rs=rs, rs2=rs2, mc=mc, e=e, p=p, alpha=alpha, sc0=sc0, w=w, scale=scale, a=a, k=k,
+                              count=count)
 
 def coeff_vjp(cfg, res, grads, wants_stats):
     """Closed-form VJP of :func:`coeff_map`: (dm, dv, dmean, dvar, (d alpha, d weight, d bias))."""
-    rs, rs2, mc, e, p, alpha, sc0, w, scale, a, k, count = res
+    rs, rs2, mc, e, p, alpha, sc0, w, scale, a, k, count = (res.rs, res.rs2, res.mc, res.e, res.p, res.alpha, res.sc0,
+                                                            res.w, res.scale, res.a, res.k, res.count)
     ga, gb = grads
     ga_t = torch.addcmul(ga, gb, mc)  # B = A mc + beta
     g_scale = ga_t * rs
