@@ -153,16 +153,17 @@ def _statistics(m, v, shape, request: StatsRequest):
         base = request.base
         if write:  # the iteration's first call: its start is the buffers
             torch.stack([stat_mean, stat_var], out=base)
-        moved, estimates = estimate_update(m, v, base, request.rate)
-        mean, var = estimates
+        moved, (mean, var) = estimate_update(m, v, base, request.rate)
         if write:  # the buffers take this call's estimates
-            update = estimates
+            def update(running_mean, running_var):
+                running_mean.copy_(mean)
+                running_var.copy_(var)
     elif mode == STATS_BATCH:
         mean = m.mean(0)  # over the samples; the variance by the law of total variance
         d = m - mean
         var = torch.addcmul(v, d, d).mean(0)
         if write:
-            update = tracked(mean, var, shape[0] * shape[2], request.momentum, request.nbt, stat_mean, stat_var)
+            update = tracked(mean, var, shape[0] * shape[2], request.momentum, request.nbt)
     return mean, var, moved, update
 
 
@@ -211,9 +212,8 @@ class AtenBackend:
             y = apply(act.forward(z), None, pc.centred[2], pc.centred[3], None if buf is None else z)
         request = stats.request
         # no no_grad needed: the buffers and the first stage's values (made under no_grad) carry no grad
-        if stats.update is not None:  # the buffers' new values (2, C)
-            request.stat_mean.copy_(stats.update[0])
-            request.stat_var.copy_(stats.update[1])
+        if stats.update is not None:  # in place: two operators (new values then a copy would be five)
+            stats.update(request.stat_mean, request.stat_var)
         if request.nbt is not None:
             request.nbt.add_(1)
         return (y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)), pc

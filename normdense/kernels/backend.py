@@ -15,7 +15,7 @@ warning; a forced ``triton`` raises instead. Imports no layer (and no triton unt
 import contextlib
 import os
 import warnings
-from typing import Any, NamedTuple, Optional, Protocol, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 from torch import Tensor
@@ -203,7 +203,7 @@ class StatsRequest(NamedTuple):
 class Statistics(NamedTuple):
     """One call's first stage: the per-(n, c) moments m, v (N, C), the per-channel mean, var (C,) (None in
     STATS_NONE), ESTIMATE's ``moved`` (2, C: the batch moments the estimates moved towards), ``update`` (the
-    buffers' new values (2, C), None: nothing to write), ``plan`` (a first stage the
+    buffers' new values in the backend's own form, None: nothing to write), ``plan`` (a first stage the
     coefficient map runs in its own launch, ``first=``; None: the values are there), ``out`` (storage the
     output may take, or None) and the request. With a ``plan``, mean, var and update are the integer addresses
     of the plan's buffer rows (the Triton path: what its kept launches pass), ``plan.outputs`` their tensors."""
@@ -310,15 +310,18 @@ def estimate_update(m: Tensor, v: Tensor, base: Tensor, rate) -> Tuple[Tensor, T
     return moved, estimate_step(base, moved, rate)
 
 
-def tracked(mean, var, count, momentum, nbt, running_mean, running_var) -> Tensor:
-    """The running statistics' new values (2, C) in their dtype after one batch of ``count`` values per channel
-    (unbiased variance, as nn.BatchNorm); ``momentum`` None: the cumulative average over num_batches_tracked + 1
-    batches. ``count`` a tensor (all-reduced): 0 leaves them as they are."""
+def tracked(mean, var, count, momentum, nbt) -> Callable[[Tensor, Tensor], None]:
+    """A function (running_mean, running_var) -> None that moves the running statistics in place after one batch
+    of ``count`` values per channel (unbiased variance, as nn.BatchNorm); ``momentum`` None: the cumulative
+    average over num_batches_tracked + 1 batches. ``count`` a tensor (all-reduced): 0 leaves them as they are."""
     weight = momentum if momentum is not None else (nbt + 1).to(mean.dtype).reciprocal()
     if isinstance(count, torch.Tensor):
         unbiased = var * count / (count - 1).clamp(min=1)
         weight = (count > 0).to(mean.dtype) * weight
     else:
         unbiased = var * (count / (count - 1))
-    return torch.stack([torch.lerp(running_mean, mean.to(running_mean.dtype), weight),
-                        torch.lerp(running_var, unbiased.to(running_var.dtype), weight)])
+
+    def write(running_mean, running_var):
+        running_mean.lerp_(mean.to(running_mean.dtype), weight)
+        running_var.lerp_(unbiased.to(running_var.dtype), weight)
+    return write

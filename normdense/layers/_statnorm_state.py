@@ -109,8 +109,6 @@ class StatNormState(nn.Module):
         all-reduce), outside the backends (the collective path, the reference compositions)."""
         with torch.no_grad():
             nbt = self._buffers.get('num_batches_tracked')
-            new = tracked(mean, var, count, self.momentum, nbt, self.running_mean, self.running_var)
-            self.running_mean.copy_(new[0])
-            self.running_var.copy_(new[1])
+            tracked(mean, var, count, self.momentum, nbt)(self.running_mean, self.running_var)
             if nbt is not None:
                 nbt.add_(1)

@@ -16,8 +16,10 @@ def _aten(x, mode=STATS_NONE, stat_mean=None, stat_var=None, base=None, **kw):
 
 
 def _values(upd, running_mean, running_var):
-    """The buffers' new values (2, C) as the ATen backend's apply writes them into the buffers' dtype."""
-    return torch.stack([running_mean.clone().copy_(upd[0]), running_var.clone().copy_(upd[1])])
+    """The buffers' new values from the ATen backend's writer (a closure moving them in place)."""
+    rm, rv = running_mean.clone(), running_var.clone()
+    upd(rm, rv)
+    return torch.stack([rm, rv])
 
 
 @pytest.mark.parametrize('mode,momentum,write', [
