@@ -271,8 +271,8 @@ def _sums(x3, cl, dy, m, v, coeffs, act, merged=True, split=None, key=None, g=No
             a, a + step, a + 2 * step if act_id >= 0 else a,  # A, B, K (not read without act)
             n * c, c, length, g.chunk, act[1], act[2], act[3], act[4])
     if key is None or not _SUMS.hit(g.grid, args, key):
-        _SUMS.launch(g.grid, _SUMS.bind(args, coeffs), {'ACT': act_id, 'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v, 'CL': cl,
-                                    'ACC': acc_dtype(x3.dtype)}, key)
+        _SUMS.launch(g.grid, _SUMS.bind(args, coeffs), {'ACT': act_id, 'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v,
+                                                         'CL': cl, 'ACC': acc_dtype(x3.dtype)}, key)
     if not merged:  # the layers' VJP kernels and dx read this buffer as it is (common.grad_buffer)
         return part
     if split > 1:
@@ -326,9 +326,9 @@ def _dx(x3, cl, dy, m, v, coeffs, dmv, gsum, act, batch=None, finish=None, split
             src, dst, g.c, g.length, g.chunk, goff, gsplit, gstride, bsplit, bstride, fin_p, fin_sb, fin_stride,
             *hi_lo(scale), act[1], act[2], act[3], act[4])
     if key is None or not _DX.hit(g.grid, args, key):
-        _DX.launch(g.grid, _DX.bind(args, coeffs, dmv, first and first.chan), {'ACT': act_id, 'BATCH': batch is not None, 'BLOCK': g.block, 'BLOCK_C': g.block_c,
-                                  'V': g.v, 'SMALL': g.small, 'CL': cl, 'ACC': acc_dtype(x3.dtype),
-                                  'FINISH': fin_p > 0}, key)
+        _DX.launch(g.grid, _DX.bind(args, coeffs, dmv, first and first.chan),
+                   {'ACT': act_id, 'BATCH': batch is not None, 'BLOCK': g.block, 'BLOCK_C': g.block_c, 'V': g.v,
+                    'SMALL': g.small, 'CL': cl, 'ACC': acc_dtype(x3.dtype), 'FINISH': fin_p > 0}, key)
     return out
 
 

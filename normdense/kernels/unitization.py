@@ -257,9 +257,10 @@ def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None,
             a, a + N * C * coeffs.itemsize,  # A, B
             p, rs, N, C, *split, *fargs)
     if key is None or not _MAP.hit(grid, args, key):
-        _MAP.launch(grid, _MAP.bind(args, coeffs, first and first.chan), {**consts, **(fconst or fold_consts(first))}, key)
-    return coeffs, Residuals(m=m, v=v, mean=mean, rs=rs, alpha=alpha, w=w if affine else None, p=p, split=split, key=key,
-                             first=first)
+        _MAP.launch(grid, _MAP.bind(args, coeffs, first and first.chan), {**consts, **(fconst or fold_consts(first))},
+                    key)
+    return coeffs, Residuals(m=m, v=v, mean=mean, rs=rs, alpha=alpha, w=w if affine else None, p=p, split=split,
+                             key=key, first=first)
 
 
 def coeff_vjp(res, grads, wants_stats, *, affine, defer=False):
@@ -271,8 +272,8 @@ def coeff_vjp(res, grads, wants_stats, *, affine, defer=False):
     ``defer`` returns their partials, dmean, dvar (SB, C) and a ``BlockSums`` in place of the parameter
     gradients, for dx to sum; else they are summed here. ``defer`` (the engine's: dx follows) also returns
     dm, dv as one (2, N, C) buffer in dm's place, dv None (``triton.dx`` takes them so)."""
-    m, v, mean, rs, alpha, w, p, split, key, first = (res.m, res.v, res.mean, res.rs, res.alpha, res.w, res.p, res.split,
-                                                      res.key, res.first)
+    m, v, mean, rs, alpha, w, p = res.m, res.v, res.mean, res.rs, res.alpha, res.w, res.p
+    split, key, first = res.split, res.key, res.first
     g, gsplit, gstride, gk = grad_buffer(grads)
     N, C = m.shape
     _, _, grid, blocks, n_per, consts = _launch_plan(N, C, m.dtype, affine, bool(wants_stats))
