@@ -63,30 +63,29 @@ def plan_for(layer, x: torch.Tensor, key: tuple) -> _Plan:
     be = resolve(layer.backend, x)
     # everything make_plan reads: the maps as bound now (their configuration, the functions themselves), the
     # activation, the parameters' and output dtypes, the device
+    # None: the backend runs no kernel maps, or the layer has none (its torch maps then run between the passes)
     maps = (layer._coeff_maps(False), layer._coeff_maps(True) if be.kernel_maps else None)
-    ident = (type(layer), _fingerprint(maps), layer._statnorm_act(), be.name, stubbed(), layer._output_dtype(x),
+    act = layer._statnorm_act()
+    ident = (type(layer), _fingerprint(maps), act, be.name, stubbed(), layer._output_dtype(x),
              tuple(None if p is None else p.dtype for p in layer._statnorm_params()), _backend._device_of(x)) + key
     plan = _PLANS.get(ident)
     if plan is None:
         if len(_PLANS) >= _MAX_PLANS:
             del _PLANS[next(iter(_PLANS))]
-        plan = _PLANS[ident] = make_plan(layer, x, be)
+        plan = _PLANS[ident] = make_plan(layer, x, be, *maps, act)
     return plan
 
 
-def make_plan(layer, x: torch.Tensor, be) -> _Plan:
+def make_plan(layer, x: torch.Tensor, be, torch_maps, kernel_maps, act) -> _Plan:
+    """The plan of ``layer`` for x on backend ``be`` with the maps and activation :func:`plan_for` bound."""
     params = layer._statnorm_params()
     cd, out_dtype = layer.stat_dtype(x, *params), layer._output_dtype(x)
-    torch_maps = layer._coeff_maps(False)
-    # None: the backend runs no kernel maps, or the layer has none (its torch maps then run between the passes)
-    kernel_maps = layer._coeff_maps(True) if be.kernel_maps else None
     device = None
     where = _backend._device_of(x)
     if where.type == 'cuda' and be.kernel_maps:  # launches cached where they compile (the interpreter: none)
         device = where.index
     elif be.kernel_maps and stubbed():  # benchmarks/host.py: the cached path, its driver calls stubbed
         device = -1
-    act = layer._statnorm_act()
     return _Plan(backend=be, errors=be.compile_errors(), cd=cd, out_dtype=out_dtype,
                  convert=x.dtype not in _HALF and x.dtype != cd, torch_maps=torch_maps, kernel_maps=kernel_maps,
                  activation=act, act=None if act is None else be.act_form(act), device=device, serial=next(_SERIAL),

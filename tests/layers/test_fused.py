@@ -37,16 +37,23 @@ CASES = {
 ESTIMATE = {k for k in CASES if 'estimate' in k}
 
 
-def make(name, dtype=torch.float64, seed=0):
-    """A layer of ``name`` (training mode) with random parameters and statistics, and its reference copy."""
-    torch.manual_seed(seed)
-    layer = CASES[name]().to(dtype).train()
+def randomized(layer):
+    """``layer`` with its parameters moved by a random 0.3 sigma and statistics away from their initial values
+    (the global RNG, seeded by the caller)."""
     with torch.no_grad():
         for p in layer.parameters():
             p.add_(torch.randn_like(p) * 0.3)
         if hasattr(layer, 'running_mean'):
-            layer.running_mean.copy_(torch.linspace(-1, 1, C))
-            layer.running_var.copy_(torch.linspace(0.5, 2, C))
+            c = layer.running_mean.numel()
+            layer.running_mean.copy_(torch.linspace(-1, 1, c))
+            layer.running_var.copy_(torch.linspace(0.5, 2, c))
+    return layer
+
+
+def make(name, dtype=torch.float64, seed=0):
+    """A layer of ``name`` (training mode) with random parameters and statistics, and its reference copy."""
+    torch.manual_seed(seed)
+    layer = randomized(CASES[name]().to(dtype).train())
     assert layer.fused
     ref = copy.deepcopy(layer)
     ref.fused = False

@@ -15,6 +15,7 @@ from torch.func import functional_call, grad, vmap
 from normdense.layers.bcn import BatchChannelNorm2d
 from normdense.layers.proxy_norm import GroupProxyNorm
 from normdense.layers.unitization import Unitization2d
+from tests.layers.test_fused import randomized
 from tests.layers.two_ranks import run_two_ranks
 
 C = 4
@@ -38,14 +39,7 @@ def _needs_triton(request):
 def make(name, backend='aten', fused=True, seed=0, **kwargs):
     """A float64 layer of ``name`` with parameters and statistics away from their initial values."""
     torch.manual_seed(seed)
-    layer = CASES[name](backend=backend, fused=fused, **kwargs).double()
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-        if hasattr(layer, 'running_mean'):
-            layer.running_mean.copy_(torch.linspace(-1, 1, C))
-            layer.running_var.copy_(torch.linspace(0.5, 2, C))
-    return layer
+    return randomized(CASES[name](backend=backend, fused=fused, **kwargs).double())
 
 
 def penalty_grads(layer, seed=1):
