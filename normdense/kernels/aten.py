@@ -142,10 +142,10 @@ class PassCoeffs(NamedTuple):
     live: torch.Tensor  # v > 0
 
 
-def _statistics(m, v, shape, request: StatsRequest):
-    """(mean, var, moved, update) of ``request`` from the moments, in torch, under no_grad (the caller's);
-    nothing of the module is written."""
-    mean = var = moved = update = None
+def _statistics(m, v, request: StatsRequest):
+    """(mean, var, moved) of ``request`` from the moments, in torch, under no_grad (the caller's); nothing of the
+    module is written but ESTIMATE's ``base`` (the iteration's start)."""
+    mean = var = moved = None
     mode, stat_mean, stat_var, write = request.mode, request.stat_mean, request.stat_var, request.write
     if mode == STATS_FIXED:  # copies: constants of this call, whatever later calls do to the buffers
         mean, var = stat_mean.to(m.dtype, copy=True), stat_var.to(m.dtype, copy=True)
@@ -154,17 +154,23 @@ def _statistics(m, v, shape, request: StatsRequest):
         if write:  # the iteration's first call: its start is the buffers
             torch.stack([stat_mean, stat_var], out=base)
         moved, (mean, var) = estimate_update(m, v, base, request.rate)
-        if write:  # the buffers take this call's estimates
-            def update(running_mean, running_var):
-                running_mean.copy_(mean)
-                running_var.copy_(var)
     elif mode == STATS_BATCH:
         mean = m.mean(0)  # over the samples; the variance by the law of total variance
         d = m - mean
         var = torch.addcmul(v, d, d).mean(0)
-        if write:
-            update = tracked(mean, var, shape[0] * shape[2], request.momentum, request.nbt)
-    return mean, var, moved, update
+    return mean, var, moved
+
+
+def _write(stats: Statistics, shape) -> None:
+    """The module's buffers take the call's statistics, in place (two operators; new values then a copy would be
+    five): ESTIMATE's estimates as they are, BATCH's as running averages."""
+    request = stats.request
+    if request.mode == STATS_ESTIMATE:
+        request.stat_mean.copy_(stats.mean)
+        request.stat_var.copy_(stats.var)
+    else:
+        tracked(stats.mean, stats.var, shape[0] * shape[2], request.momentum, request.nbt)(request.stat_mean,
+                                                                                            request.stat_var)
 
 
 class AtenBackend:
@@ -182,8 +188,8 @@ class AtenBackend:
         x3 = x3.contiguous()  # read_input(x3), inlined (a call a step)
         with torch.no_grad():  # one context for both (entering one costs about 3 us)
             m, v, out = moments(x3)
-            mean, var, moved, update = _statistics(m, v, x3.shape, request)
-        return x3, Statistics(m=m, v=v, mean=mean, var=var, moved=moved, update=update, plan=None, out=out,
+            mean, var, moved = _statistics(m, v, request)
+        return x3, Statistics(m=m, v=v, mean=mean, var=var, moved=moved, update=None, first=None, out=out,
                               request=request)
 
     @staticmethod
@@ -212,8 +218,8 @@ class AtenBackend:
             y = apply(act.forward(z), None, pc.centred[2], pc.centred[3], None if buf is None else z)
         request = stats.request
         # no no_grad needed: the buffers and the first stage's values (made under no_grad) carry no grad
-        if stats.update is not None:  # in place: two operators (new values then a copy would be five)
-            stats.update(request.stat_mean, request.stat_var)
+        if request.write:
+            _write(stats, x3.shape)
         if request.nbt is not None:
             request.nbt.add_(1)
         return (y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)), pc

@@ -15,7 +15,7 @@ warning; a forced ``triton`` raises instead. Imports no layer (and no triton unt
 import contextlib
 import os
 import warnings
-from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -177,6 +177,29 @@ def autocast_on(device_type: str) -> bool:
     return device_type == 'cuda' and torch.is_autocast_enabled()
 
 
+def autocast_state(device_type: str) -> Tuple[bool, torch.dtype]:
+    """(on, dtype) of autocast for ``device_type``, as a recomputation restores it."""
+    if _PER_DEVICE_AUTOCAST:
+        return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    if device_type == 'cpu':
+        return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+    if device_type == 'cuda':
+        return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
+    raise RuntimeError(f'no autocast state query for {device_type!r} before torch 2.4')
+
+
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: it holds nothing
+
+
+def autocast_off(device_type: str, torch_code: bool = True):
+    """Autocast off for ``device_type`` around torch code that must see the dtypes the engine chose:
+    ``torch.autocast(enabled=False)`` where autocast is on and ``torch_code``, else a context that does nothing
+    (entering an autocast context costs about 6 us)."""
+    if torch_code and autocast_on(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return _NO_CONTEXT
+
+
 # --- the contract -----------------------------------------------------------------------------------------------
 # The first stage's modes (the Triton stats kernel's MODE): no per-channel statistics (GN+PN); fixed ones (eval:
 # the running statistics); Algorithm 1's estimates moved by r; the batch's, with the running statistics tracked.
@@ -200,20 +223,27 @@ class StatsRequest(NamedTuple):
     key: Optional[tuple] = None
 
 
+Row = Union[Tensor, int]
+"""A (C,) row of statistics as a kernel launch takes it: a tensor, or on the Triton path the integer address of a
+row of the deferred first stage's buffer (``first_stage.FirstStage``), which a kept launch passes as it is and a
+normal launch turns into a view of that buffer (``launch.Launcher``'s rows)."""
+
+
 class Statistics(NamedTuple):
     """One call's first stage: the per-(n, c) moments m, v (N, C), the per-channel mean, var (C,) (None in
-    STATS_NONE), ESTIMATE's ``moved`` (2, C: the batch moments the estimates moved towards), ``update`` (the
-    buffers' new values in the backend's own form, None: nothing to write), ``plan`` (a first stage the
+    STATS_NONE), ESTIMATE's ``moved`` (2, C: the batch moments the estimates moved towards), ``update`` (where
+    the apply pass reads the buffers' new values, (2, C), on a backend whose first stage computes them (Triton);
+    None: nothing to read, ATen's apply writes the buffers from mean and var itself), ``first`` (a first stage the
     coefficient map runs in its own launch, ``first=``; None: the values are there), ``out`` (storage the
-    output may take, or None) and the request. With a ``plan``, mean, var and update are the integer addresses
-    of the plan's buffer rows (the Triton path: what its kept launches pass), ``plan.outputs`` their tensors."""
+    output may take, or None) and the request. With ``first``, mean, var and update are the addresses of its
+    buffer's rows, ``first.outputs`` their tensors."""
     m: Tensor
     v: Tensor
-    mean: Any
-    var: Any
+    mean: Optional[Row]
+    var: Optional[Row]
     moved: Optional[Tensor]
-    update: Any
-    plan: Any
+    update: Optional[Row]
+    first: Any  # a ``first_stage.FirstStage`` (which imports triton: not named here), or None
     out: Optional[Tensor]
     request: StatsRequest
 
@@ -251,7 +281,7 @@ class Backend(Protocol):
 
     def first_stage(self, x3: Tensor, request: StatsRequest, deferred: bool = True) -> Tuple[Tensor, Statistics]:
         """(x3 as the passes read it, the first stage): the moments, and the statistics computed now or (where
-        ``deferred`` and the backend can) planned for the coefficient map's launch."""
+        ``deferred`` and the backend can) deferred to the coefficient map's launch."""
 
     def read_input(self, x3: Tensor) -> Tensor:
         """x3 as :meth:`first_stage` returns it for the passes (itself where they read its layout, else a copy):
@@ -262,8 +292,8 @@ class Backend(Protocol):
 
     def apply(self, x3: Tensor, stats: Statistics, coeffs: tuple, act=None, out_dtype: Optional[torch.dtype] = None,
               out: Optional[Tensor] = None) -> Tuple[Tensor, Any]:
-        """(y, pc): y = the map of x3 in ``out_dtype``, then the module's state written (``stats.update`` into the
-        request's buffers, nbt counted): the forward's last step. ``out``: storage y may take (x3's shape, layout
+        """(y, pc): y = the map of x3 in ``out_dtype``, then the module's state written (with ``request.write`` the
+        buffers take the call's statistics; nbt counted): the forward's last step. ``out``: storage y may take (x3's shape, layout
         and ``out_dtype``: a view of the layer's output), or None."""
 
     def grad_layout(self, dy: Tensor, x3: Tensor) -> Tensor:
@@ -288,6 +318,42 @@ class Backend(Protocol):
 
     def compile_errors(self) -> tuple:
         """The exception types of a kernel that does not compile (empty: none can fail to)."""
+
+
+# --- what a layer gives the engine: its coefficient maps -------------------------------------------------------
+class CoeffMap(Protocol):
+    """A layer's coefficient map, bound to its configuration (a ``functools.partial``): the torch form (in
+    ``layers/<layer>.py``; every backend can run it) or a kernel transcription (in ``kernels/<layer>.py``; the
+    backends with ``kernel_maps``). It is pure: no module state is read or written."""
+
+    def __call__(self, m: Tensor, v: Tensor, mean: Optional[Row], var: Optional[Row], params: tuple, length: int,
+                 count: Any, first: Any = None) -> Tuple[Any, Any]:
+        """(coeffs, res): the per-(n, c) coefficients of y = A t + B (t = x - m; with an activation
+        y = K act(A t + B) + L') and the residuals its VJP reads. m, v (N, C): the moments; mean, var (C,): the
+        channels' statistics (None for a layer without a first stage); ``params``: the layer's
+        ``_statnorm_params()``; ``length``: the positions per (n, c); ``count``: the values per channel behind batch
+        statistics (an int; a tensor when all-reduced, which only the torch form receives), else None. ``coeffs``:
+        a tuple (A, B[, K, L']) of (N, C) tensors in the compute dtype, or, from a kernel map given ``first``, one
+        (k, N, C) buffer of them (``common.stacked``). ``first`` (kernel maps only): the deferred first stage,
+        which the map's own launch runs (``first_stage.fold_args``); mean and var are then its rows' addresses."""
+
+
+class CoeffVJP(Protocol):
+    """The VJP of a :class:`CoeffMap`, in closed form, bound as the map is."""
+
+    def __call__(self, res: Any, grads: Any, wants_stats: bool, defer: bool = False) -> Tuple[Any, Any, Any, Any, Any]:
+        """(dm, dv, dmean, dvar, dparams): the gradients of the map's inputs from ``grads``, what
+        :meth:`Backend.sums` made (the torch form: a tuple of (N, C) [sum g t, sum g (, sum dy act(z), sum dy)];
+        a kernel map: the sums kernel's (SPLIT, count, N, C) partials, added as it loads them). dmean, dvar (C,)
+        only when ``wants_stats`` (batch statistics), else None; ``dparams``: one per parameter (None where it
+        is None). ``defer`` (kernel maps only): dm and dv as one stacked (2, N, C) buffer in dm's place, dv None,
+        and ``dparams`` may be a :class:`PendingSums` that the dx launch finishes."""
+
+
+class Maps(NamedTuple):
+    """A layer's coefficient map and its VJP (``StatNorm2d._coeff_maps``)."""
+    coeff_map: CoeffMap
+    coeff_vjp: CoeffVJP
 
 
 # --- the first stage's arithmetic in torch (Algorithm 1 of arXiv:1903.10520, BN's running statistics) ----------

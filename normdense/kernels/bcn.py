@@ -11,7 +11,7 @@ For per-(n, c) moments m, v of x and first-stage statistics mean, var (C,):
 with gamma^c, beta^c per group (``group_affine``) or per channel.
 
 Layout: [BLOCK_N, BLOCK_G, BLOCK_P] tiles of (sample, group, channel in group); the map on a grid of (group
-block, sample block) programs, each running the planned first stage (``first=``) for its own groups and
+block, sample block) programs, each running the deferred first stage (``first=``) for its own groups and
 samples first (``first_stage.fold``); the VJP one program per (group block[, chunk], sample block), whose
 per-channel sums over N dx finishes at large N (``common.BlockSums``). A group wider than ``chunk`` channels
 is walked in chunks (passes for the group sums, then the outputs). The VJP recomputes d, r, s.
@@ -291,17 +291,17 @@ class Residuals(NamedTuple):
     """What :func:`coeff_vjp` reads of :func:`coeff_map`'s call: its inputs (the VJP recomputes the rest)."""
     m: Any
     v: Any
-    mean: Any  # (C,), or the address of a planned first stage's row
+    mean: Any  # (C,), or the address of a deferred first stage's row
     var: Any
     bw: Any
     bb: Any
     w: Any
     b: Any
     key: Any  # the call's launch-cache key (the VJP launches under it)
-    first: Any  # the planned first stage, or None
+    first: Any  # the deferred first stage, or None
 
 
-# rows (launch.Launcher): the planned first stage's mean and var, A and B, gB in the sums' buffer, dm and dv
+# rows (launch.Launcher): the deferred first stage's mean and var, A and B, gB in the sums' buffer, dm and dv
 _MAP = launcher(_bcn_map_kernel, rows=('mean_ptr', 'var_ptr', 'a_ptr', 'bo_ptr'))
 _VJP = launcher(_bcn_vjp_kernel, rows=('mean_ptr', 'var_ptr', 'gb_ptr', 'dm_ptr', 'dv_ptr'))
 
@@ -311,11 +311,11 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups: int, eps
     """Triton ``normdense.layers.bcn.coeff_map`` (Eq. 40-42), one launch: ((A, B), res) with A, B (N, C) in m's
     dtype, the rows of one (2, N, C) tensor. ``positions`` and ``count`` do not enter BCN's map (as in the torch
     method); ``res`` is the inputs, which :func:`coeff_vjp` recomputes the intermediates from. ``first``: the
-    engine's planned first stage (``first_stage.FirstStage``, whose outputs m, v, mean, var are): run in this
+    engine's deferred first stage (``first_stage.FirstStage``, whose outputs m, v, mean, var are): run in this
     launch, its launch-cache
     key (``first.key``) extended by this launch's. ``chunk``, ``tile``: :func:`_blocks`'s."""
     bw, bb, w, b = params[0].contiguous(), params[1].contiguous(), params[2].contiguous(), params[3].contiguous()
-    if first is None:  # the planned stage's outputs are contiguous allocations
+    if first is None:  # the deferred stage's outputs are contiguous allocations
         m, v, mean, var = m.contiguous(), v.contiguous(), mean.contiguous(), var.contiguous()
     n, c = m.shape
     per, grid, _, _, consts = _launch_plan(n, c, num_groups, eps, group_affine, False, False, chunk, tile)
@@ -323,7 +323,7 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups: int, eps
     fargs, fconst = fold_args(None, m) if first is None else (first.fold, None)  # its constexprs on a miss
     key = None if first is None else first.key  # the call's (``launch.Launcher``)
     a = coeffs.data_ptr()
-    args = (m, v, mean, var,  # mean, var: addresses in a planned first stage's rows
+    args = (m, v, mean, var,  # mean, var: addresses in a deferred first stage's rows
             bw, bb, w, b,
             a, a + n * c * coeffs.itemsize,  # A, B
             n, c, num_groups, per, *fargs)

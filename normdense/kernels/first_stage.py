@@ -183,7 +183,7 @@ class StageTensors(NamedTuple):
 
 
 class FirstStage:
-    """One call's first stage, planned: its outputs allocated and its launch arguments ready, either for the
+    """One call's first stage, prepared: its outputs allocated and its launch arguments ready, either for the
     standalone kernel (:meth:`launch`) or for a coefficient kernel that runs :func:`fold` itself
     (:func:`fold_args`). ``m``, ``v`` (N, C), ``moved`` (2, C, ESTIMATE) are tensors; ``mean``, ``var`` and
     ``update`` are the integer addresses of the rows of ``chan`` (4, C) (None where the mode has none), which a

@@ -361,10 +361,10 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups, eps, act
     """``normdense.layers.proxy_norm.coeff_map`` in one launch: ((A, B, K, L), residuals), each coefficient (N, C)
     in m's dtype, the rows of one (4, N, C) tensor. ``quantiles`` are the proxy samples q (num_samples,) (the
     layer's cached quantiles); ``mean``, ``var``, ``positions`` and ``count`` are unused (GN+PN has no first
-    stage). ``first``: the engine's planned moments merge (``first_stage.FirstStage``, whose outputs m, v are):
+    stage). ``first``: the engine's deferred moments merge (``first_stage.FirstStage``, whose outputs m, v are):
     run in this launch, its launch-cache key extended by this launch's. ``chunk``, ``tile``: :func:`_blocks`'s."""
     weight, bias, proxy_beta, proxy_gamma = params
-    if first is None:  # the planned stage's outputs are contiguous allocations
+    if first is None:  # the deferred stage's outputs are contiguous allocations
         m, v = m.contiguous(), v.contiguous()
     per, (grid, consts), _ = _config(m, num_groups, quantiles, act, act_kwargs, chunk, tile, eps, proxy_eps,
                                      proxy_scaling, proxy_affine)

@@ -120,16 +120,6 @@ def _new_geometry(key) -> 'Geometry':
     return g
 
 
-def geometry(n: int, c: int, length: int, cl: bool, dtype: torch.dtype, narrowest: int, split=None) -> Geometry:
-    """The :class:`Geometry` of a pass over x3 (N, C, L) of ``dtype`` in layout ``cl`` whose activation tensors'
-    narrowest element has ``narrowest`` bytes; ``split``: as :func:`split_for`."""
-    key = (n, c, length, cl, dtype, narrowest, split)
-    g = _GEOMETRY.get(key)
-    if g is None:
-        g = _new_geometry(key)
-    return g
-
-
 def _geometry(n, c, length, cl, dtype, narrowest, split):
     vec = 16 // narrowest  # V lanes of the narrowest dtype are 16 bytes (common.vector_width)
     if cl:
@@ -157,25 +147,7 @@ def _geom(x3, cl, other, split=None):
     return g
 
 
-def _plan(x3: torch.Tensor, *others, split=None):
-    """Launch geometry of a pass over x3 (read layout) with the activation tensors ``others`` (dy, y):
-    dict(grid, CHUNK and the constexprs BLOCK, BLOCK_C, V, CL[, SMALL]); ``split``: as :func:`split_for`."""
-    n, c, length = ncl(x3)
-    size = min([x3.dtype.itemsize] + [t.dtype.itemsize for t in others])
-    g = geometry(n, c, length, channels_last(x3), x3.dtype, size, split)
-    return dict(grid=g.grid[:2], CHUNK=g.chunk, BLOCK=g.block, BLOCK_C=g.block_c, V=g.v, CL=g.cl, SMALL=g.small)
-
-
 # --- forward ------------------------------------------------------------------------------------------------
-def moment_partials(x3: torch.Tensor, split=None, key=None):
-    """(partials (SPLIT, 2, N*C): each chunk's mean and centred sum of squares; SPLIT; CHUNK) of x3 (N, C, L);
-    ``split`` (here and below): the chunks per row, as :func:`split_for`; ``key`` (here and below): the
-    engine's launch-cache prefix (``launch.Launcher``), or None."""
-    x3, cl = read_layout(x3)
-    part, g = _moment_partials(x3, cl, split, key)
-    return part, g.grid[1], g.chunk
-
-
 def _moment_partials(x3, cl, split=None, key=None):
     """(partials, the pass's :class:`Geometry`: the other passes' too where y and dy have x3's dtype)."""
     n, c, length = ncl(x3)
@@ -207,17 +179,8 @@ def _act(act):
     return hit[1]
 
 
-def apply(x3, m, v, coeffs, act=None, out_dtype=None, write=None, nbt=None, split=None, key=None):
-    """y (N, C, L) of x3 with the per-(n, c) coefficients (A, B[, K, L']), in x3's layout (NCL or
-    channels_last); ``act`` (id, p0, p1) from :func:`normdense.kernels.activations.act_args` or None;
-    ``write`` = (upd, running_mean, running_var): the new values to copy into the buffers; ``nbt``: a
-    num_batches_tracked to add 1 to."""
-    x3, cl = read_layout(x3)
-    return _apply(x3, cl, m, v, stacked(coeffs), _act(act), out_dtype, write, nbt, split, key)
-
-
 def _apply(x3, cl, m, v, coeffs, act, out_dtype, write, nbt, split=None, key=None, out=None, first=None):
-    """``first``: the engine's planned first stage (``first_stage.FirstStage``): its geometry (the moments
+    """``first``: the engine's deferred first stage (``first_stage.FirstStage``): its geometry (the moments
     pass's, for a y of x3's dtype; else computed here), the tensor of its update's address (``write[0]``)."""
     g = None if first is None else first.geometry
     act_id = act[0]
@@ -235,7 +198,7 @@ def _apply(x3, cl, m, v, coeffs, act, out_dtype, write, nbt, split=None, key=Non
     args = (x3, y, m, v,
             a, a + step,  # A, B
             *((a + 2 * step, a + 3 * step) if act_id >= 0 else (a, a + step)),  # K, L' (not read without act)
-            upd, rm, rv,  # the buffers' new values (an address in the planned first stage's), the buffers
+            upd, rm, rv,  # the buffers' new values (an address in the deferred first stage's), the buffers
             m if nbt is None else nbt,  # num_batches_tracked (not read without INC)
             g.c, g.length, g.chunk, int(write is not None), int(nbt is not None), act[1], act[2], act[3], act[4])
     if key is None or not _APPLY.hit(g.grid, args, key):
@@ -246,17 +209,6 @@ def _apply(x3, cl, m, v, coeffs, act, out_dtype, write, nbt, split=None, key=Non
 
 
 # --- backward -----------------------------------------------------------------------------------------------
-def sums(x3, dy, m, v, coeffs, act=None, merged=True, split=None, key=None):
-    """The gradients of the coefficients: [sum_l g t, sum_l g] (and sum_l dy act(z), sum_l dy with an
-    activation), each (N, C) in the coefficients' dtype; a merge launch only when rows are split. ``merged``
-    False: each as the chunks' partials (SPLIT, N, C) instead, for kernels that add them as they load them
-    (the layers' VJP kernels, :func:`dx`): no merge launch. dy in any floating dtype, in x3's layout (else
-    copied into it)."""
-    x3, cl = read_layout(x3)
-    out = _sums(x3, cl, like(dy, x3, cl), m, v, stacked(coeffs), _act(act), merged, split, key)
-    return out if merged else out.unbind(1)
-
-
 def _sums(x3, cl, dy, m, v, coeffs, act, merged=True, split=None, key=None, g=None):
     """``g``: as :func:`_apply`'s, for a dy of x3's dtype."""
     act_id = act[0]
@@ -284,24 +236,10 @@ def _sums(x3, cl, dy, m, v, coeffs, act, merged=True, split=None, key=None, g=No
     return out.unbind(0)
 
 
-def dx(x3, dy, m, v, coeffs, dm, dv, gsum, act=None, batch=None, finish=None, split=None,
-       finish_block=FINISH_BLOCK.value, key=None):
-    """dx (x3's shape, dtype and layout) from the coefficients' VJP (dm, dv) and sum_l g (``gsum``: (N, C), or
-    the (SPLIT, N, C) partials of ``sums(merged=False)``, added in the kernel, or the sums kernel's whole
-    (SPLIT, count, N, C) buffer, whose second gradient it is); ``batch``
-    = (mean, dmean, dvar, 1 / N) adds the VJP of the (unsynchronized) batch statistics, dmean and dvar (C,) or
-    the (SB, C) partials of the VJP's sample blocks (added in the kernel). ``finish``: the VJP's
-    ``common.BlockSums`` whose partial parameter gradients this launch sums (if each of its programs can take
-    ``finish_block`` columns, else torch sums them first). dy as for :func:`sums`."""
-    x3, cl = read_layout(x3)
-    return _dx(x3, cl, like(dy, x3, cl), m, v, stacked(coeffs), stacked((dm, dv)), gsum, _act(act), batch, finish,
-               split, finish_block, key)
-
-
 def _dx(x3, cl, dy, m, v, coeffs, dmv, gsum, act, batch=None, finish=None, split=None,
         finish_block=FINISH_BLOCK.value, key=None, g=None, first=None):
     """``coeffs``, ``dmv`` (dm and dv) as ``common.stacked`` makes them; ``g``: the moments pass's geometry, for
-    a dy of x3's dtype; ``first``: the planned first stage whose mean's address ``batch`` may hold."""
+    a dy of x3's dtype; ``first``: the deferred first stage whose mean's address ``batch`` may hold."""
     act_id = act[0]
     out = torch.empty_like(x3)  # x3's shape (the engine's: x's), dtype and layout
     if g is None or dy.dtype != x3.dtype:
@@ -322,7 +260,7 @@ def _dx(x3, cl, dy, m, v, coeffs, dmv, gsum, act, batch=None, finish=None, split
             a, a + step, a + 2 * step if act_id >= 0 else a,  # A, B, K (not read without act)
             d, d + g.n * g.c * dmv.itemsize,  # dm, dv
             gsum,
-            mean, dmean, dvar,  # the batch statistics' mean (an address in the planned first stage's) and VJP
+            mean, dmean, dvar,  # the batch statistics' mean (an address in the deferred first stage's) and VJP
             src, dst, g.c, g.length, g.chunk, goff, gsplit, gstride, bsplit, bstride, fin_p, fin_sb, fin_stride,
             *hi_lo(scale), act[1], act[2], act[3], act[4])
     if key is None or not _DX.hit(g.grid, args, key):
@@ -347,23 +285,23 @@ class TritonBackend:
 
     @staticmethod
     def first_stage(x3, request: StatsRequest, deferred: bool = True):
-        """The chunks' moments (one launch); the first stage planned for the coefficient map's launch
+        """The chunks' moments (one launch); the first stage deferred to the coefficient map's launch
         (``deferred``), or merged now in the stats kernel (where torch code reads m, v first: ``sync_stats``)."""
         cl = False  # (N, C, L) rows or channels_last (N, L, C) in place, else a copy
         if not x3.is_contiguous():
             x3, cl = read_layout(x3)
         r = request
         partials, g = _moment_partials(x3, cl, None, r.key)
-        plan = FirstStage(partials, g.grid[1], g.chunk, (g.n, g.c, g.length), mode=r.mode, stat_mean=r.stat_mean,
-                          stat_var=r.stat_var, base=r.base, rate=r.rate, momentum=r.momentum, write=r.write, nbt=r.nbt,
-                          key=r.key)
-        plan.geometry = g  # the later passes' where y and dy have x3's dtype
+        first = FirstStage(partials, g.grid[1], g.chunk, (g.n, g.c, g.length), mode=r.mode, stat_mean=r.stat_mean,
+                           stat_var=r.stat_var, base=r.base, rate=r.rate, momentum=r.momentum, write=r.write, nbt=r.nbt,
+                           key=r.key)
+        first.geometry = g  # the later passes' where y and dy have x3's dtype
         if deferred:  # mean, var and the update by address (the kept launches take them so; ``FirstStage``)
-            return x3, Statistics(m=plan.m, v=plan.v, mean=plan.mean, var=plan.var, moved=plan.moved,
-                                  update=plan.update, plan=plan, out=None, request=request)
-        o = plan.launch()
-        return x3, Statistics(m=o.m, v=o.v, mean=o.mean, var=o.var, moved=o.moved, update=o.update, plan=None, out=None,
-                              request=request)
+            return x3, Statistics(m=first.m, v=first.v, mean=first.mean, var=first.var, moved=first.moved,
+                                  update=first.update, first=first, out=None, request=request)
+        o = first.launch()
+        return x3, Statistics(m=o.m, v=o.v, mean=o.mean, var=o.var, moved=o.moved, update=o.update, first=None,
+                              out=None, request=request)
 
     read_input = staticmethod(as_read)
 
@@ -373,10 +311,10 @@ class TritonBackend:
 
     @staticmethod
     def apply(x3, stats: Statistics, coeffs, act=None, out_dtype=None, out=None):
-        pc = coeffs if stats.plan is not None else TritonBackend.prepare(coeffs, stats.v)  # kernel maps' own
+        pc = coeffs if stats.first is not None else TritonBackend.prepare(coeffs, stats.v)  # kernel maps' own
         request = stats.request
         write = None if stats.update is None else (stats.update, request.stat_mean, request.stat_var)
-        first = stats.plan
+        first = stats.first
         y = _apply(x3, not x3.is_contiguous(), stats.m, stats.v, pc, act or _NO_ACT, out_dtype, write, request.nbt,
                    key=request.key, out=out, first=first)
         if first is not None:
@@ -397,7 +335,7 @@ class TritonBackend:
         (SPLIT, count, N, C) buffer, which the layers' Triton VJP kernels and dx add as they load them."""
         key = _dy_key(stats.request.key, dy)
         # the state for dx: whether the VJP was torch's (merged sums; its dm, dv may be strided), dy's launch key
-        g = None if stats.plan is None else stats.plan.geometry  # the forward's: x3 and the engine keep the plan
+        g = None if stats.first is None else stats.first.geometry  # the forward's: x3 and the engine keep the first stage
         return _sums(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, act or _NO_ACT, merged, key=key, g=g), \
             (merged, key, g)
 
@@ -410,11 +348,11 @@ class TritonBackend:
         if merged:  # the torch VJP's dm, dv (separate, maybe strided) and merged sums
             grads = grads[1]
         return _dx(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, dm if dv is None else stacked((dm, dv)), grads,
-                   act or _NO_ACT, batch, pending, key=key, g=g, first=stats.plan)
+                   act or _NO_ACT, batch, pending, key=key, g=g, first=stats.first)
 
     @staticmethod
     def act_form(act):
-        return _act(act)  # (ACT, p0 hi, lo, p1 hi, lo, p0, p1): once per plan
+        return _act(act)  # (ACT, p0 hi, lo, p1 hi, lo, p0, p1): once per layer plan
 
     @staticmethod
     def guard(t):

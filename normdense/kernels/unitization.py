@@ -216,17 +216,17 @@ class Residuals(NamedTuple):
     """What :func:`coeff_vjp` reads of :func:`coeff_map`'s call."""
     m: Any
     v: Any
-    mean: Any  # (C,), or the address of a planned first stage's row
+    mean: Any  # (C,), or the address of a deferred first stage's row
     rs: Any  # 1 / sqrt(var + eps) (C,), written by the map
     alpha: Any
     w: Any  # gamma, or None without affine
     p: Any  # Eq. 16's p per sample (N,), written by the map
     split: tuple  # the map's scalars as (hi, lo) pairs
     key: Any  # the call's launch-cache key
-    first: Any  # the planned first stage, or None
+    first: Any  # the deferred first stage, or None
 
 
-# rows (launch.Launcher): the planned first stage's mean and var, A and B; the mean again, dm and dv
+# rows (launch.Launcher): the deferred first stage's mean and var, A and B; the mean again, dm and dv
 _MAP = launcher(_coeff_map_kernel, rows=('mean_ptr', 'var_ptr', 'a_ptr', 'bo_ptr'))
 _VJP = launcher(_coeff_vjp_kernel, rows=('mean_ptr', 'dm_ptr', 'de_ptr'))
 
@@ -238,12 +238,12 @@ def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None,
 
     ``count`` (an int) marks batch statistics (its variance factor applies), None fixed ones (estimate mode,
     eval). ``res`` holds the inputs, p, rs = 1 / sqrt(f var + eps) (C,) and the scalars: the VJP recomputes
-    the rest. ``first``: the engine's planned first stage (``first_stage.FirstStage``, whose outputs m, v,
+    the rest. ``first``: the engine's deferred first stage (``first_stage.FirstStage``, whose outputs m, v,
     mean, var are): run in this launch, its launch-cache key extended by this launch's.
     """
     alpha, w, b = params
     N, C = m.shape
-    if first is None:  # the planned stage's outputs are contiguous allocations
+    if first is None:  # the deferred stage's outputs are contiguous allocations
         m, v, mean, var = m.contiguous(), v.contiguous(), mean.contiguous(), var.contiguous()
     grid, consts = _launch_plan(N, C, m.dtype, affine, False)[:2]
     coeffs = m.new_empty(2, N, C)  # A, B: one tensor object (its rows by address on a kept launch)
@@ -252,7 +252,7 @@ def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None,
     fargs, fconst = fold_args(None, m) if first is None else (first.fold, None)  # its constexprs on a miss
     key = None if first is None else first.key  # the call's (``launch.Launcher``)
     a = coeffs.data_ptr()
-    args = (m, v, mean, var,  # mean, var: addresses in a planned first stage's rows
+    args = (m, v, mean, var,  # mean, var: addresses in a deferred first stage's rows
             alpha, w if affine else alpha, b if affine else alpha,  # (alpha in the unused places: not read)
             a, a + N * C * coeffs.itemsize,  # A, B
             p, rs, N, C, *split, *fargs)

@@ -13,7 +13,6 @@ activation), where dm, dv and the parameter gradients are the layer's closed-for
 Calls go one way: the layer's forward calls the engine once, the engine asks the layer for data, the backend
 (``kernels/backend.py``'s contract) for passes and its ``Estimates`` for the iteration's bookkeeping. docs/engine.md.
 """
-import contextlib
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -22,8 +21,8 @@ import torch.distributed as dist
 from ..errors import ExportError
 from ..kernels import backend as _backend
 from ..kernels.aten import AtenBackend
-from ..kernels.backend import (STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, PendingSums, StatsRequest,
-                               autocast_on, exporting, give_up_triton, ncl)
+from ..kernels.backend import (STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, Maps, PendingSums, StatsRequest,
+                               autocast_off, exporting, give_up_triton, ncl)
 from ._distributed import synced_batch_moments, synced_batch_moments_vjp
 from ._estimate import _TASK_ID, _TOKEN, in_backward, mark_iteration, mark_on_backward
 from ._statnorm_graph import graph_backward, tensor_stats
@@ -36,18 +35,10 @@ _unwrap_if_dead = getattr(getattr(torch._C, '_functorch', None), 'unwrap_if_dead
 _PER_CALL = frozenset(('training', 'current_rate'))
 
 
-def _no_autocast(device_type: str):
-    """Autocast off for ``device_type``: ``torch.autocast(enabled=False)`` where it is on, else nothing (entering
-    one costs about 6 us, twice a training step)."""
-    if autocast_on(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
-
-
 class _Call(NamedTuple):  # a NamedTuple: a frozen dataclass's __init__ costs 3x more per call
     """What the Function's forward and backward need of one call besides tensors."""
     plan: _Plan
-    maps: tuple  # the maps this call runs (the torch ones for all-reduced statistics)
+    maps: Maps  # the maps this call runs (the torch ones for all-reduced statistics)
     kernel: bool  # maps are the layer's kernel transcriptions
     kind: str  # the statistics: 'none' | 'fixed' | 'batch' | 'synced'
     count: Any  # values per channel behind batch statistics (an int, a tensor when all-reduced), else None
@@ -217,10 +208,8 @@ class StatNorm2d(StatNormState):
         return self._run_autocast(x, self._plan(x), keep, synced)
 
     def _run_autocast(self, x, plan: _Plan, keep, synced):
-        if (not plan.direct or synced) and autocast_on(x.device.type):  # torch code between the passes
-            with torch.autocast(x.device.type, enabled=False):
-                return self._run(x, plan, keep, synced)
-        return self._run(x, plan, keep, synced)
+        with autocast_off(x.device.type, not plan.direct or synced):  # torch code between the passes
+            return self._run(x, plan, keep, synced)
 
     def _run(self, x, plan: _Plan, keep, synced):
         params = self._statnorm_params()
@@ -264,11 +253,11 @@ class StatNorm2d(StatNormState):
         kernel = plan.kernel_maps is not None and kind != 'synced'  # the kernel maps take no all-reduced count
         call = _Call(plan=plan, maps=plan.kernel_maps if kernel else plan.torch_maps, kernel=kernel, kind=kind,
                      count=count, option=self.backend, ends_iteration=self.mode == 'estimate' and self.training)
-        if stats.plan is None:
-            coeffs, res = call.maps[0](stats.m, stats.v, stats.mean, stats.var, params, length, count)
-        else:  # the planned first stage runs in the map's launch
-            coeffs, res = call.maps[0](stats.m, stats.v, stats.mean, stats.var, params, length, count,
-                                       first=stats.plan)
+        if stats.first is None:
+            coeffs, res = call.maps.coeff_map(stats.m, stats.v, stats.mean, stats.var, params, length, count)
+        else:  # the deferred first stage runs in the map's launch
+            coeffs, res = call.maps.coeff_map(stats.m, stats.v, stats.mean, stats.var, params, length, count,
+                                       first=stats.first)
         y4 = out = None
         if plan.direct and x3 is view:  # the output in x's shape and layout (x3 is x, or x converted)
             y4 = out = torch.empty_like(x) if plan.out_dtype == x.dtype else \
@@ -280,7 +269,7 @@ class StatNorm2d(StatNormState):
             ctx.save_for_backward(x)
             ctx.call, ctx.res, ctx.params, ctx.pc, ctx.shape = call, res, params, pc, shape
             ctx.remake = x3 is not x
-            # without the output storage (not kept alive); a planned stage stays (its outputs, its geometry; the
+            # without the output storage (not kept alive); a deferred stage stays (its outputs, its geometry; the
             # backend drops its partials once they are read)
             ctx.stats = stats if stats.out is None else stats._replace(update=None, out=None)
         if step is not None:  # after the kernels: the iteration's total
@@ -344,9 +333,9 @@ def _backward(ctx, x3, dy):
     be, act = call.plan.backend, call.plan.act
     grads, state = be.sums(x3, dy, stats, pc, act, not call.kernel)
     if call.kernel:  # large N: the kernel maps may leave the sample blocks' partial sums for dx's launch
-        dm, dv, dmean, dvar, dparams = call.maps[1](ctx.res, grads, call.kind == 'batch', defer=True)
+        dm, dv, dmean, dvar, dparams = call.maps.coeff_vjp(ctx.res, grads, call.kind == 'batch', defer=True)
     else:
-        dm, dv, dmean, dvar, dparams = call.maps[1](ctx.res, grads, call.kind in ('batch', 'synced'))
+        dm, dv, dmean, dvar, dparams = call.maps.coeff_vjp(ctx.res, grads, call.kind in ('batch', 'synced'))
     pending = dparams if isinstance(dparams, PendingSums) else None
     if pending is not None:
         dparams = pending.params
@@ -380,8 +369,8 @@ def _backward_or_fallback(ctx, dy):
         x3 = _passes_input(x3, plan)
     dy = plan.backend.grad_layout(dy, x3)  # dy may be expanded (a sum's grad); once for both passes
     try:
-        if not call.kernel and autocast_on(x3.device.type):  # torch code between the passes
-            with torch.autocast(x3.device.type, enabled=False):
+        if not call.kernel:  # torch code between the passes
+            with autocast_off(x3.device.type):
                 return _backward(ctx, x3, dy)
         if plan.device is not None and plan.device >= 0 and plan.device != _backend.current_device():
             with torch.cuda.device(plan.device):  # autograd may run the backward with another device current
@@ -395,9 +384,9 @@ def _backward_or_fallback(ctx, dy):
                              act=plan.activation)
         ctx.call = call = call._replace(plan=aten, maps=plan.torch_maps, kernel=False)
         stats = ctx.stats = tensor_stats(ctx.stats)
-        coeffs, ctx.res = call.maps[0](stats.m, stats.v, stats.mean, stats.var, ctx.params, length, call.count)
+        coeffs, ctx.res = call.maps.coeff_map(stats.m, stats.v, stats.mean, stats.var, ctx.params, length, call.count)
         ctx.pc = AtenBackend.prepare(coeffs, stats.v)
-        with _no_autocast(x3.device.type):  # dy as ATen's passes take it (x3's dtype: x converted for the plan)
+        with autocast_off(x3.device.type):  # dy as ATen's passes take it (x3's dtype: x converted for the plan)
             return _backward(ctx, x3, AtenBackend.grad_layout(dy, x3))
 
 
@@ -438,7 +427,7 @@ def _graph_backward(ctx, dy, create_graph):
     """The backward as autograd of the call's torch composition (``_statnorm_graph.py``): differentiable, and
     batched cotangents welcome; the estimate iteration ends as in the plain backward."""
     x, = ctx.saved_tensors
-    with _no_autocast(x.device.type):
+    with autocast_off(x.device.type):
         dx, dparams = graph_backward(ctx, x, dy, create_graph)
     if ctx.call.ends_iteration:
         mark_iteration()

@@ -15,11 +15,11 @@ from ..kernels.backend import Statistics, ncl
 
 
 def tensor_stats(stats: Statistics) -> Statistics:
-    """``stats`` with tensors for mean and var (a planned first stage, the Triton path, gives their addresses)."""
-    if stats.plan is None:
+    """``stats`` with tensors for mean and var (a deferred first stage, the Triton path, gives their addresses)."""
+    if stats.first is None:
         return stats
-    o = stats.plan.outputs
-    return stats._replace(mean=o.mean, var=o.var, update=o.update, plan=None)
+    o = stats.first.outputs
+    return stats._replace(mean=o.mean, var=o.var, update=o.update, first=None)
 
 
 def _synced_moments(m: torch.Tensor, v: torch.Tensor, positions: int):
@@ -57,7 +57,7 @@ def graph_backward(ctx, x: torch.Tensor, dy: torch.Tensor, create_graph: bool):
             var = torch.addcmul(v, d, d).mean(0)
         elif call.kind == 'synced':
             mean, var, count = _synced_moments(m, v, length)
-        coeffs, _ = plan.torch_maps[0](m, v, mean, var, params, length, count)
+        coeffs, _ = plan.torch_maps.coeff_map(m, v, mean, var, params, length, count)
         y = torch.addcmul(coeffs[1].unsqueeze(2), coeffs[0].unsqueeze(2), xf - m.unsqueeze(2))
         if plan.activation is not None:  # GN+PN: y = K act(A t + B) + L'
             y = torch.addcmul(coeffs[3].unsqueeze(2), coeffs[2].unsqueeze(2), plan.activation.forward(y))

@@ -12,7 +12,7 @@ import torch
 from ..kernels import backend as _backend
 from ..kernels import resolve
 from ..kernels.backend import HALF as _HALF
-from ..kernels.backend import Backend
+from ..kernels.backend import Backend, Maps
 from ..kernels.launch import stubbed
 
 
@@ -24,8 +24,8 @@ class _Plan(NamedTuple):
     cd: torch.dtype  # the compute dtype of the statistics
     out_dtype: torch.dtype
     convert: bool  # x3 goes to cd first (e.g. float32 x with float64 parameters)
-    torch_maps: tuple  # the layer's (coeff_map, coeff_vjp) in torch: ATen's, all-reduced statistics, fallbacks
-    kernel_maps: Optional[tuple]  # the layer's kernel transcriptions where the backend runs them, else None
+    torch_maps: Maps  # the layer's maps in torch: ATen's, all-reduced statistics, fallbacks
+    kernel_maps: Optional[Maps]  # the layer's kernel transcriptions where the backend runs them, else None
     activation: Any  # the layer's activation (GN+PN: an Activation), or None
     act: Any  # the activation as the backend's passes take it (``Backend.act_form``, made once here), or None
     # where launches are cached and must run (``launch.Launcher``): the CUDA index, -1 for stubbed launches on
@@ -64,7 +64,8 @@ def plan_for(layer, x: torch.Tensor, key: tuple) -> _Plan:
     # everything make_plan reads: the maps as bound now (their configuration, the functions themselves), the
     # activation, the parameters' and output dtypes, the device
     # None: the backend runs no kernel maps, or the layer has none (its torch maps then run between the passes)
-    maps = (layer._coeff_maps(False), layer._coeff_maps(True) if be.kernel_maps else None)
+    kernel_maps = layer._coeff_maps(True) if be.kernel_maps else None
+    maps = (Maps(*layer._coeff_maps(False)), None if kernel_maps is None else Maps(*kernel_maps))
     act = layer._statnorm_act()
     ident = (type(layer), _fingerprint(maps), act, be.name, stubbed(), layer._output_dtype(x),
              tuple(None if p is None else p.dtype for p in layer._statnorm_params()), _backend._device_of(x)) + key

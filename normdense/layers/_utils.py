@@ -6,7 +6,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..kernels.backend import autocast_on as autocast_enabled  # noqa: F401  (one query: the engine's)
+from ..kernels.backend import autocast_on as autocast_enabled  # noqa: F401  (the engine's autocast queries)
+from ..kernels.backend import autocast_state as device_autocast  # noqa: F401
 
 
 def f64(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -36,16 +37,6 @@ def affine_parameters(module: nn.Module, num_features: int, affine: bool, device
     else:
         module.register_parameter('weight', None)
         module.register_parameter('bias', None)
-
-
-def device_autocast(device_type: str) -> Tuple[bool, torch.dtype]:
-    if hasattr(torch, 'get_autocast_dtype'):  # torch >= 2.4: per-device-type queries
-        return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
-    if device_type == 'cpu':
-        return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
-    if device_type == 'cuda':
-        return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
-    raise RuntimeError(f'no autocast state query for {device_type!r} before torch 2.4')
 
 
 def set_fused(module: nn.Module, fused: bool = True) -> int:

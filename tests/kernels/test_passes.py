@@ -9,6 +9,7 @@ import triton
 
 from normdense.kernels import first_stage as F
 from normdense.kernels import triton as P
+from tests.kernels import passes as K
 from normdense.kernels.backend import STATS_BATCH, STATS_ESTIMATE
 
 SHAPES = [(2, 3, 1), (1, 8, 1), (1, 4, 7), (2, 4, 7), (2, 2, 8), (2, 4, 9), (2, 4, 17), (3, 2, 13 * 17),
@@ -60,9 +61,9 @@ def laid_out(x, layout):
 
 
 def moments(x, s):
-    part, n_split, chunk = P.moment_partials(x, split=s)
+    part, n_split, chunk = K.moment_partials(x, split=s)
     if s is not None:  # s chunks of whole tiles, or fewer when s does not divide the tiles
-        block, length = P._plan(x)['BLOCK'], x.shape[2]
+        block, length = K.launch_config(x)['BLOCK'], x.shape[2]
         tiles = -(-length // block)
         assert chunk == -(-tiles // min(s, tiles)) * block and n_split == -(-length // chunk) <= s
     return F.stats(part, n_split, chunk, x.shape)[:2]
@@ -119,8 +120,8 @@ def test_apply_sums_dx(device, dtype, act, shape, layout, s, small, monkeypatch)
     m, v = moments(x, s)
     coeffs = coefficients(n, c, m.dtype, device, act)
     spec = None if act is None else act_args(act, {})
-    y = P.apply(x, m, v, coeffs, spec, split=s)
-    grads = P.sums(x, dy, m, v, coeffs, spec, split=s)
+    y = K.apply(x, m, v, coeffs, spec, split=s)
+    grads = K.sums(x, dy, m, v, coeffs, spec, split=s)
     xd, dyd = x.double(), dy.double()
     md, live = m.double().unsqueeze(2), (v > 0).unsqueeze(2)
     a, b = (t.double().unsqueeze(2) for t in coeffs[:2])
@@ -144,18 +145,18 @@ def test_apply_sums_dx(device, dtype, act, shape, layout, s, small, monkeypatch)
     for got, w in zip(grads, want):
         torch.testing.assert_close(got.double(), w, rtol=tol * 10, atol=tol * 10 * length)
     dm, dv = torch.randn(2, n, c, dtype=torch.float64).to(m.dtype).to(device)
-    dx = P.dx(x, dy, m, v, coeffs, dm, dv, grads[1], spec, split=s)
+    dx = K.dx(x, dy, m, v, coeffs, dm, dv, grads[1], spec, split=s)
     c0 = (dm.double() - coeffs[0].double() * grads[1].double()).unsqueeze(2) / length
     c1 = torch.where(live, 2 * dv.double().unsqueeze(2) / length, 0)
     want_dx = a * g + c1 * t + c0
     torch.testing.assert_close(dx.double(), want_dx, rtol=tol * 10, atol=tol * 10)
     assert dx.stride() == x.stride()
     # the chunks' partials, added by the kernels that read them: the same values, no merge
-    parts = P.sums(x, dy, m, v, coeffs, spec, merged=False, split=s)
-    dx_parts = P.dx(x, dy, m, v, coeffs, dm, dv, parts[1], spec, split=s)
+    parts = K.sums(x, dy, m, v, coeffs, spec, merged=False, split=s)
+    dx_parts = K.dx(x, dy, m, v, coeffs, dm, dv, parts[1], spec, split=s)
     assert all(p.dim() == 3 and p.shape[1:] == (n, c) for p in parts)
     if s is not None:  # the chunks of ``split``, as moments' (sums and dx were given it too)
-        assert parts[0].shape[0] == P.split_for(1, length, P._plan(x)['BLOCK'], s)[0]
+        assert parts[0].shape[0] == P.split_for(1, length, K.launch_config(x)['BLOCK'], s)[0]
     for got, p in zip(grads, parts):
         torch.testing.assert_close(p.sum(0), got, rtol=tol, atol=tol * length)
     torch.testing.assert_close(dx_parts, dx, rtol=tol, atol=tol)
@@ -189,10 +190,10 @@ def test_half_inputs_read_and_written_in_their_dtype(device, dtype, layout):
     dy = laid_out(torch.randn(2, 8, 13 * 17).to(dtype).to(device), layout)
     m, v = moments(x, 2)
     coeffs = coefficients(2, 8, torch.float32, device, None)
-    y = P.apply(x, m, v, coeffs)
+    y = K.apply(x, m, v, coeffs)
     dm, dv = torch.randn(2, 2, 8, device=device)
-    grads = P.sums(x, dy, m, v, coeffs)
-    dx = P.dx(x, dy, m, v, coeffs, dm, dv, grads[1])
+    grads = K.sums(x, dy, m, v, coeffs)
+    dx = K.dx(x, dy, m, v, coeffs, dm, dv, grads[1])
     assert y.dtype == dx.dtype == dtype and grads[0].dtype == torch.float32
     assert y.stride() == dx.stride() == x.stride()
     want_y, want_grads, want_dx = reference(x, dy, m, v, coeffs, dm, dv)
@@ -213,8 +214,8 @@ def test_dy_in_its_own_dtype_and_layout(device, layout, dy_layout):
     m, v = moments(x, 2)
     coeffs = coefficients(2, 8, torch.float32, device, None)
     dm, dv = torch.randn(2, 2, 8, device=device)
-    grads = P.sums(x, dy, m, v, coeffs, split=2)
-    dx = P.dx(x, dy, m, v, coeffs, dm, dv, grads[1], split=2)
+    grads = K.sums(x, dy, m, v, coeffs, split=2)
+    dx = K.dx(x, dy, m, v, coeffs, dm, dv, grads[1], split=2)
     _, want_grads, want_dx = reference(x, dy, m, v, coeffs, dm, dv)
     for got, w in zip(grads, want_grads):
         torch.testing.assert_close(got.double(), w, rtol=1e-5, atol=1e-5)
@@ -230,7 +231,7 @@ def test_float32_x_half_y(device, out_dtype, layout):
     x = laid_out((torch.randn(2, 8, 7 * 9) * 2 + 1).to(device), layout)
     m, v = moments(x, None)
     coeffs = coefficients(2, 8, torch.float32, device, None)
-    y = P.apply(x, m, v, coeffs, out_dtype=out_dtype)
+    y = K.apply(x, m, v, coeffs, out_dtype=out_dtype)
     assert y.dtype == out_dtype and y.stride() == x.stride()
     close_in(y, reference(x, x, m, v, coeffs, m, v)[0], out_dtype)
 
@@ -246,14 +247,14 @@ def test_vector_variants(device):
                 for layout in ('ncl', 'cl'):
                     x = laid_out(torch.empty(n, 256, hw, dtype=dtype, device='meta'), layout)
                     assert P.as_read(x) is x
-                    plan = P._plan(x, x)
+                    plan = K.launch_config(x, x)
                     want = (width, False, layout == 'cl')
                     assert (plan['V'], plan['SMALL'], plan['CL']) == want, (dtype, n, hw, layout)
     f32 = torch.float32
-    assert P._plan(torch.empty(1, 8, 1, dtype=f32))['SMALL'] and P._plan(torch.empty(1, 8, 1, dtype=f32))['V'] == 4
-    assert P._plan(torch.empty(2, 3, 1, dtype=f32))['V'] == 1  # 6 elements
-    assert P._plan(laid_out(torch.empty(2, 6, 5, dtype=f32), 'cl'))['V'] == 1  # C = 6
-    assert P._plan(torch.empty(2, 8, 5, dtype=torch.bfloat16), torch.empty(2, 8, 5))['V'] == 8  # float32 dy
+    assert K.launch_config(torch.empty(1, 8, 1, dtype=f32))['SMALL'] and K.launch_config(torch.empty(1, 8, 1, dtype=f32))['V'] == 4
+    assert K.launch_config(torch.empty(2, 3, 1, dtype=f32))['V'] == 1  # 6 elements
+    assert K.launch_config(laid_out(torch.empty(2, 6, 5, dtype=f32), 'cl'))['V'] == 1  # C = 6
+    assert K.launch_config(torch.empty(2, 8, 5, dtype=torch.bfloat16), torch.empty(2, 8, 5))['V'] == 8  # float32 dy
 
 
 @pytest.mark.parametrize('layout', ['ncl', 'cl'])
@@ -265,7 +266,7 @@ def test_batch_statistics_and_tracking(device, layout):
     rm, rv = torch.randn(5, dtype=torch.float64, device=device), torch.rand(5, dtype=torch.float64, device=device) + 1
     nbt = torch.tensor(4, device=device)
     for momentum in (0.1, None):
-        part, s, chunk = P.moment_partials(x, split=2)
+        part, s, chunk = K.moment_partials(x, split=2)
         m, v, mean, var, _, upd = F.stats(part, s, chunk, x.shape, STATS_BATCH, rm, rv, momentum=momentum,
                                           write=True, nbt=nbt)
         flat = x.transpose(0, 1).reshape(5, -1)
@@ -275,7 +276,7 @@ def test_batch_statistics_and_tracking(device, layout):
         torch.testing.assert_close(upd[0], rm + w * (flat.mean(1) - rm), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(upd[1], rv + w * (flat.var(1) - rv), rtol=1e-12, atol=1e-12)
     before = rm.clone()
-    y = P.apply(x, m, v, coefficients(3, 5, torch.float64, device, None), write=(upd, rm, rv), nbt=nbt)
+    y = K.apply(x, m, v, coefficients(3, 5, torch.float64, device, None), write=(upd, rm, rv), nbt=nbt)
     assert torch.isfinite(y).all() and nbt.item() == 5
     torch.testing.assert_close(rm, upd[0], rtol=0, atol=0)
     torch.testing.assert_close(rv, upd[1], rtol=0, atol=0)
@@ -289,7 +290,7 @@ def test_estimate_statistics(device):
     x = (torch.randn(2, 6, 11, dtype=torch.float64) + 2).to(device)
     rm, rv = torch.randn(6, dtype=torch.float64, device=device), torch.rand(6, dtype=torch.float64, device=device) + 1
     base = torch.empty(2, 6, dtype=torch.float64, device=device)
-    part, s, chunk = P.moment_partials(x)
+    part, s, chunk = K.moment_partials(x)
     m, v, mean, var, moved, upd = F.stats(part, s, chunk, x.shape, STATS_ESTIMATE, rm, rv, base, rate=0.3,
                                           write=True)
     flat = x.transpose(0, 1).reshape(6, -1)

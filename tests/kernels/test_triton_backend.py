@@ -382,7 +382,7 @@ def test_large_batch_sums_without_enough_dx_programs(device, monkeypatch):
     """dx whose programs cannot take a block of the partials' columns each (forced here: blocks of 0 columns)
     leaves the second stage to torch: the same gradients as ATen."""
     small_coefficient_tiles(monkeypatch)
-    monkeypatch.setattr(P, 'dx', functools.partial(P.dx, finish_block=0))
+    monkeypatch.setattr(P, '_dx', functools.partial(P._dx, finish_block=0))  # what TritonBackend.dx launches
     tri, aten = pair('bcn-batch', device=device)
     torch.manual_seed(5)
     x = (torch.randn(24, C, 2, 1, dtype=torch.float64) * 2 + 1).to(device)
