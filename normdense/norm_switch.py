@@ -41,7 +41,7 @@ from collections import Counter
 from typing import List, Optional
 
 from .layers.groups import AUTO, AUTO_RULE, _is_int
-from .norms import CHOICES
+from .norms import CHOICES, SWITCHES
 
 _WS = dict(type='WSConv2d')
 _PN_BACKBONES = {'ResNet': 'PNResNet', 'ResNetV1c': 'PNResNetV1c', 'mmdet.ResNet': 'PNResNet',
@@ -52,22 +52,18 @@ _COMPONENT_SUFFIXES = ('backbone', 'neck', 'head')
 
 
 def norm_layers(name: str, num_groups='auto', channels_per_group=None):
-    """(norm_cfg, conv_cfg, hooks) of a switch name. The group norms take the group policy of
-    ``normdense/layers/groups.py``: ``'auto'`` fits each layer's channel count when it is built."""
+    """(norm_cfg, conv_cfg, hooks) of a switch name (``norms.SWITCHES``: the layers' declarations). The group norms
+    take the group policy of ``normdense/layers/groups.py``: ``'auto'`` fits each layer's channel count when it is
+    built."""
     groups = _group_args(num_groups, channels_per_group)
-    gn = dict(type='GNAuto', **groups, requires_grad=True)
-    table = {
-        'bn': (dict(type='BN', requires_grad=True), None, []),
-        'gn': (gn, None, []),
-        'gn-ws': (gn, _WS, []),
-        'bcn-ws': (dict(type='BCN', **groups, mode='estimate'), _WS, ['EstimateRateHook']),
-        'gn-pn': (gn, None, ['ProxyNormCheckHook']),  # the backbone gets GNPN in a PNResNet (see switch_norm)
-        'iternorm': (dict(type='IterNorm', group_size=64, T=5), None, []),
-        'unitization': (dict(type='Unitization', mode='estimate', requires_grad=True), None, ['EstimateRateHook']),
-    }
-    if name not in table:
+    if name == 'bn':
+        return dict(type='BN', requires_grad=True), None, []
+    if name not in SWITCHES:
         raise ValueError(f'unknown norm {name!r}; choose one of {", ".join(CHOICES)}')
-    return copy.deepcopy(table[name])
+    switch = SWITCHES[name]
+    norm = dict(type=switch.norm['type'], **(groups if switch.groups else {}),
+                **{k: v for k, v in switch.norm.items() if k != 'type'})
+    return copy.deepcopy(norm), None if switch.conv is None else dict(type=switch.conv), list(switch.hooks)
 
 
 def parse_spec(spec) -> dict:

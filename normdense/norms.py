@@ -1,10 +1,12 @@
 """The norms normdense switches a model between, by the names the tools take (``--norm``, the norm switch), and the
-state-dict entries that tell them apart in a checkpoint. Below both users (``norm_switch``, ``checkpoint``): a
-module that imports nothing of normdense."""
+state-dict entries that tell them apart in a checkpoint: made from the layers' declarations (``layers/declare.py``),
+below both users (``norm_switch``, ``checkpoint``)."""
+from .layers import declarations
 
-# the norm switch's choices (``tools/train.py --norm``, ``normdense.norm_switch``)
-CHOICES = ('bn', 'gn', 'gn-ws', 'bcn-ws', 'gn-pn', 'iternorm', 'unitization')
+# the norm switch's choices (``tools/train.py --norm``, ``normdense.norm_switch``): mmcv's BN, then the declared
+SWITCHES = {s.name: s for d in declarations() for s in d.switches}
+CHOICES = ('bn', ) + tuple(SWITCHES)
 
-# the state-dict entries that tell the norms apart (module suffix -> the norm switch's name), strongest first
-STATE_KEYS = (('proxy_beta', 'gn-pn'), ('proxy_gamma', 'gn-pn'), ('batch_weight', 'bcn'), ('running_wm', 'iternorm'),
-              ('alpha', 'unitization'), ('running_input_mean', 'equinorm'), ('running_var', 'bn'))
+# the state-dict entries that tell the norms apart (module suffix -> the norm's name), the declared layers' first:
+# BN's running_var is in several of them
+STATE_KEYS = tuple((key, d.state_name) for d in declarations() for key in d.state_keys) + (('running_var', 'bn'), )

@@ -17,16 +17,14 @@ fails). Codebase constructors with their own ``add_params`` (layer-wise lr decay
 """
 import warnings
 
-from .layers.equinorm import ChannelAffine
-from .layers.iternorm import IterNorm
-from .layers.unitization import Unitization2d
+from .layers import declarations
 from .lazy import patch_on_import
 
 __all__ = ['NORM_CLASSES', 'recognise_norms']
 
-# every normdense layer with affine parameters that is not already a GroupNorm / _BatchNorm subclass
-# (BatchChannelNorm2d and GroupProxyNorm subclass nn.GroupNorm; WSConv2d and EquiConv2d are convs)
-NORM_CLASSES = (Unitization2d, IterNorm, ChannelAffine)
+# every normdense layer with affine parameters that is not already a GroupNorm / _BatchNorm subclass, as the layers
+# declare (BatchChannelNorm2d and GroupProxyNorm subclass nn.GroupNorm; WSConv2d and EquiConv2d are convs)
+NORM_CLASSES = tuple(d.cls for d in declarations() if d.decays_as_norm)
 
 
 def _flatten(classes):

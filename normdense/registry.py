@@ -34,27 +34,15 @@ def __getattr__(name):
 _lazy(WEIGHT_INITIALIZERS, 'PretrainedBackbone', 'normdense.convert.pretrained_init')
 _lazy(HOOKS, 'StrictLoadHook', 'normdense.hooks.strict_load')
 
-# --- Weight Standardization and Batch-Channel Normalization (WS/BCN paper) -------------------------
-from .layers.bcn import BatchChannelNorm2d  # noqa: E402
-from .layers.ws import WSConv2d  # noqa: E402
+# --- the layers: each declares its MODELS name in its own file (layers/declare.py) ------------------
+from .layers import declarations  # noqa: E402
 
-MODELS.register_module(name='WSConv2d', module=WSConv2d)
-MODELS.register_module(name='BCN', module=BatchChannelNorm2d)
-_lazy(HOOKS, 'EstimateRateHook', 'normdense.hooks.estimate_rate')
+for _decl in declarations():
+    MODELS.register_module(name=_decl.name, module=_decl.cls)
+
+_lazy(HOOKS, 'EstimateRateHook', 'normdense.hooks.estimate_rate')  # BCN's and Unitization's estimate mode
 _lazy(HOOKS, 'BCNRateHook', 'normdense.hooks.estimate_rate')  # the first name, kept for configs
-
-# --- Unitization, EquiNorm and the diagnostics hook (Unitization / EquiNorm papers) ----------------
-from .layers.equinorm import ChannelAffine, EquiConv2d  # noqa: E402
-from .layers.unitization import Unitization2d  # noqa: E402
-
-MODELS.register_module(name='Unitization', module=Unitization2d)
-MODELS.register_module(name='EquiConv2d', module=EquiConv2d)
-MODELS.register_module(name='ChannelAffine', module=ChannelAffine)
 _lazy(HOOKS, 'NormDiagnosticsHook', 'normdense.hooks.diagnostics')
-
-# --- Proxy Normalization and IterNorm (PN / IterNorm papers) ---------------------------------------
-from .layers.iternorm import IterNorm  # noqa: E402
-from .layers.proxy_norm import GroupProxyNorm  # noqa: E402
 
 
 def _needs_resnet_codebase():
@@ -63,12 +51,6 @@ def _needs_resnet_codebase():
                               "pip install 'normdense[seg]' or 'normdense[det]'")
 
 
-MODELS.register_module(name='GNPN', module=GroupProxyNorm)
-# GroupNorm whose group count fits each layer's channels (layers/groups.py); mmcv's 'GN' stays exact
-from .layers.groups import GroupNorm  # noqa: E402
-
-MODELS.register_module(name='GNAuto', module=GroupNorm)
-MODELS.register_module(name='IterNorm', module=IterNorm)
 # PNResNet subclasses mmseg's ResNet (mmdet's without mmseg), imported on the first build
 _lazy(MODELS, 'PNResNet', 'normdense.models.backbones.pn_resnet', check=_needs_resnet_codebase)
 _lazy(MODELS, 'PNResNetV1c', 'normdense.models.backbones.pn_resnet', check=_needs_resnet_codebase)

@@ -7,13 +7,13 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..layers import declarations
 from ..layers.ws import WS_FORMULAS
 
 SOURCES = ('mmpretrain', 'authors', 'torchvision')
 TARGETS = ('mmdet', 'mmseg')
-# --norm choices -> norm_cfg type
-NORM_TYPES = {'bn': 'BN', 'gn': 'GN', 'bcn': 'BCN', 'gnpn': 'GNPN', 'iternorm': 'IterNorm',
-              'unitization': 'Unitization'}
+# --norm choices -> norm_cfg type: mmcv's BN and GN, then the layers that declare a conversion name
+NORM_TYPES = {'bn': 'BN', 'gn': 'GN', **{d.convert: d.name for d in declarations() if d.convert}}
 WS_CHOICES = WS_FORMULAS + ('none', )
 
 

@@ -293,8 +293,8 @@ class Backend(Protocol):
     def apply(self, x3: Tensor, stats: Statistics, coeffs: tuple, act=None, out_dtype: Optional[torch.dtype] = None,
               out: Optional[Tensor] = None) -> Tuple[Tensor, Any]:
         """(y, pc): y = the map of x3 in ``out_dtype``, then the module's state written (with ``request.write`` the
-        buffers take the call's statistics; nbt counted): the forward's last step. ``out``: storage y may take (x3's shape, layout
-        and ``out_dtype``: a view of the layer's output), or None."""
+        buffers take the call's statistics; nbt counted): the forward's last step. ``out``: storage y may take
+        (x3's shape, layout and ``out_dtype``: a view of the layer's output), or None."""
 
     def grad_layout(self, dy: Tensor, x3: Tensor) -> Tensor:
         """dy (the gradient of y, in x's shape) as the backward passes read it."""

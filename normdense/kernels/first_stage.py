@@ -222,8 +222,16 @@ class FirstStage:
         self.geometry = None  # a backend's launch geometry over x, if it keeps one here
 
     # what the launches read on a miss or in the standalone kernel only: derived, not stored per call
-    args = property(lambda self: self.fold[0])
-    sizes = property(lambda self: self.fold[1:])
+    @property
+    def args(self) -> tuple:
+        args, _length, _chunk, _split, _write = self.fold
+        return args
+
+    @property
+    def sizes(self) -> tuple:
+        _args, length, chunk, split, write = self.fold
+        return length, chunk, split, write
+
     dtype = property(lambda self: self.m.dtype)  # the partials' dtype
 
     @property
@@ -241,7 +249,8 @@ class FirstStage:
         n, c, _ = self.shape
         block_n, block_c = stat_blocks(c, self.dtype)
         _STATS((cdiv(c, block_c), 1, 1), (self.args, n, c, *self.sizes),
-               dict(MODE=self.mode, CUMULATIVE=self.cumulative, BLOCK_N=block_n, BLOCK_C=block_c, ACC=self.acc))
+               dict(MODE=self.mode, CUMULATIVE=self.cumulative, BLOCK_N=block_n, BLOCK_C=block_c, ACC=self.acc),
+               self.key)  # the call's key: kept (torch maps or all-reduces read the statistics first)
         return self.outputs
 
 

@@ -17,11 +17,12 @@ The float configuration (eps, proxy_eps, the activation's parameters) is ``tl.co
 argument is float32 on the GPU and would round them in float64 computations.
 """
 import functools
-from typing import Any, NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from .activations import act_args, act_forward, act_grad
 from .common import (CHUNK, BlockSums, cdiv, grad_buffer, group_tiles, next_pow2, rsqrt, sample_blocks,
@@ -300,7 +301,7 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, w_ptr, b_ptr, pb_ptr, pg_ptr, q_ptr,
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(n, c, num_groups, num_samples, act_id, p0, p1, dtype, chunk, tile, eps, proxy_eps, proxy_scaling,
+def _launch_config(n, c, num_groups, num_samples, act_id, p0, p1, dtype, chunk, tile, eps, proxy_eps, proxy_scaling,
           proxy_affine):
     """(per, (grid, constexprs) of the map, (grid with sample blocks, samples per block, constexprs) of the VJP):
     once per configuration and shape."""
@@ -327,7 +328,7 @@ def _plan(n, c, num_groups, num_samples, act_id, p0, p1, dtype, chunk, tile, eps
 def _config(m, num_groups, quantiles, act, act_kwargs, chunk, tile, eps, proxy_eps, proxy_scaling, proxy_affine):
     n, c = m.shape
     act_id, p0, p1 = _act_ids(act, act_kwargs)
-    return _plan(n, c, num_groups, quantiles.numel(), act_id, p0, p1, m.dtype, chunk, tile, eps, proxy_eps,
+    return _launch_config(n, c, num_groups, quantiles.numel(), act_id, p0, p1, m.dtype, chunk, tile, eps, proxy_eps,
                  proxy_scaling, proxy_affine)
 
 
@@ -344,11 +345,11 @@ def _act_ids(act, act_kwargs):
 
 class Residuals(NamedTuple):
     """What :func:`coeff_vjp` reads of :func:`coeff_map`'s call."""
-    m: Any
-    v: Any
+    m: Tensor
+    v: Tensor
     params: tuple  # (weight, bias, proxy_beta, proxy_gamma)
-    quantiles: Any
-    key: Any  # the call's launch-cache key
+    quantiles: Tensor
+    key: Optional[tuple]  # the call's launch-cache key
 
 
 # rows (launch.Launcher): A, B, K, L'; dm and dv
@@ -400,7 +401,7 @@ def coeff_vjp(res, grads, wants_stats, *, num_groups, eps, act, act_kwargs, prox
     n, c = m.shape
     dmv = m.new_empty(2, n, c)  # dm, dv: one tensor object
     out = BlockSums(sb, m, (weight, bias) + ((proxy_beta, proxy_gamma) if proxy_affine else (None, None)), False)
-    dw, db, dpb, dpg = out.slots[:4]
+    dw, db, dpb, dpg, _, _ = out.slots  # no statistics: their two slots go unused
     pb, pg = (proxy_beta, proxy_gamma) if proxy_affine else (weight, weight)
     d = dmv.data_ptr()
     args = (m, v, weight, bias, pb, pg, quantiles, g,

@@ -128,8 +128,8 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dy, _dticket, _dstate):
     ticket, x, *params = ctx.saved_tensors
-    grads = torch.ops.normdense.statnorm_backward(ticket, dy, x, params)
-    return grads[0], list(grads[1:]), [None] * ctx.n_state, None, None
+    dx, *dparams = torch.ops.normdense.statnorm_backward(ticket, dy, x, params)
+    return dx, dparams, [None] * ctx.n_state, None, None
 
 
 statnorm.register_autograd(_backward, setup_context=_setup)

@@ -335,7 +335,7 @@ class TritonBackend:
         (SPLIT, count, N, C) buffer, which the layers' Triton VJP kernels and dx add as they load them."""
         key = _dy_key(stats.request.key, dy)
         # the state for dx: whether the VJP was torch's (merged sums; its dm, dv may be strided), dy's launch key
-        g = None if stats.first is None else stats.first.geometry  # the forward's: x3 and the engine keep the first stage
+        g = None if stats.first is None else stats.first.geometry  # the forward's (kept with its first stage)
         return _sums(x3, not x3.is_contiguous(), dy, stats.m, stats.v, pc, act or _NO_ACT, merged, key=key, g=g), \
             (merged, key, g)
 

@@ -19,14 +19,16 @@ VJP one program per (block of channels, block of samples), which first sums its 
 channels (recomputed by every program) and then sums over its samples (``common.BlockSums`` at large N).
 """
 import functools
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from .common import (BlockSums, cdiv, from_hi_lo, grad_buffer, hi_lo, next_pow2, rsqrt, sample_blocks,
                      split_sum)
+from .backend import Row
 from .first_stage import FOLD_SIZES, fold, fold_args, fold_consts
 from .launch import launcher
 
@@ -188,42 +190,62 @@ def _coeff_vjp_kernel(m_ptr, v_ptr, mean_ptr, rs_ptr, alpha_ptr, w_ptr, p_ptr, g
 
 
 @functools.lru_cache(maxsize=1024)
-def _scalars(eps, positions, count, n, norm_divisor, var_correction):
-    """(eps, k, f) as ``Unitization2d`` computes them (k = positions / divisor, f its ``_var_factor``), each as
-    its (hi, lo) pair: once per configuration and size."""
+class Scalars(NamedTuple):
+    """The map's float arguments, each as its (hi, lo) pair (``common.hi_lo``): eps, k = positions / divisor and
+    f, ``Unitization2d._var_factor``."""
+    eps_hi: float
+    eps_lo: float
+    k_hi: float
+    k_lo: float
+    f_hi: float
+    f_lo: float
+
+
+def _scalars(eps, positions, count, n, norm_divisor, var_correction) -> Scalars:
+    """The :class:`Scalars` as ``Unitization2d`` computes them: once per configuration and size."""
     if n is not None:
         divisor = float(n)
     else:
         divisor = float(positions) ** (2 if norm_divisor == 'hw_squared' else 1)
     f = count / (count - 1 - eps) if count is not None and var_correction == 'keras' else 1.0
-    return (*hi_lo(float(eps)), *hi_lo(positions / divisor), *hi_lo(f))
+    return Scalars(*hi_lo(float(eps)), *hi_lo(positions / divisor), *hi_lo(f))
+
+
+class LaunchConfig(NamedTuple):
+    """The launches of one configuration and size: the map's grid and constexprs, the VJP's grid, its sample
+    blocks (``common.sample_blocks``) and constexprs."""
+    map_grid: tuple
+    map_consts: dict
+    vjp_grid: tuple
+    blocks: int
+    n_per: int
+    vjp_consts: dict
 
 
 @functools.lru_cache(maxsize=1024)
-def _launch_plan(n: int, c: int, dtype, affine: bool, wants_stats: bool):
-    """(map grid, its constexprs, VJP grid, sample blocks, samples per block, VJP constexprs)."""
+def _launch_config(n: int, c: int, dtype, affine: bool, wants_stats: bool) -> LaunchConfig:
     block_n, block_c = _blocks(c, dtype)
     grid = cdiv(c, block_c)
     blocks, n_per = sample_blocks(n, block_n, grid)
-    return ((cdiv(n, block_n), 1, 1), {'AFFINE': affine, 'BLOCK_N': block_n, 'BLOCK_C': block_c},
-            (grid, blocks, 1), blocks, n_per,
-            {'AFFINE': affine, 'WANTS_STATS': wants_stats, 'BLOCK_N': block_n, 'BLOCK_C': block_c,
-             # tiny tiles (small C): fewer idle threads, fewer spills
-             'num_warps': max(1, min(4, block_n * block_c // 32))})
+    return LaunchConfig((cdiv(n, block_n), 1, 1), {'AFFINE': affine, 'BLOCK_N': block_n, 'BLOCK_C': block_c},
+                        (grid, blocks, 1), blocks, n_per,
+                        {'AFFINE': affine, 'WANTS_STATS': wants_stats, 'BLOCK_N': block_n, 'BLOCK_C': block_c,
+                         # tiny tiles (small C): fewer idle threads, fewer spills
+                         'num_warps': max(1, min(4, block_n * block_c // 32))})
 
 
 class Residuals(NamedTuple):
     """What :func:`coeff_vjp` reads of :func:`coeff_map`'s call."""
-    m: Any
-    v: Any
-    mean: Any  # (C,), or the address of a deferred first stage's row
-    rs: Any  # 1 / sqrt(var + eps) (C,), written by the map
-    alpha: Any
-    w: Any  # gamma, or None without affine
-    p: Any  # Eq. 16's p per sample (N,), written by the map
-    split: tuple  # the map's scalars as (hi, lo) pairs
-    key: Any  # the call's launch-cache key
-    first: Any  # the deferred first stage, or None
+    m: Tensor
+    v: Tensor
+    mean: Row  # (C,), or the address of a deferred first stage's row
+    rs: Tensor  # 1 / sqrt(var + eps) (C,), written by the map
+    alpha: Tensor
+    w: Optional[Tensor]  # gamma, or None without affine
+    p: Tensor  # Eq. 16's p per sample (N,), written by the map
+    scalars: Scalars
+    key: Optional[tuple]  # the call's launch-cache key
+    first: Any  # the deferred first stage (a ``first_stage.FirstStage``), or None
 
 
 # rows (launch.Launcher): the deferred first stage's mean and var, A and B; the mean again, dm and dv
@@ -245,21 +267,22 @@ def coeff_map(m, v, mean, var, params, positions, count, *, eps, affine, n=None,
     N, C = m.shape
     if first is None:  # the deferred stage's outputs are contiguous allocations
         m, v, mean, var = m.contiguous(), v.contiguous(), mean.contiguous(), var.contiguous()
-    grid, consts = _launch_plan(N, C, m.dtype, affine, False)[:2]
+    launch = _launch_config(N, C, m.dtype, affine, False)
+    grid, consts = launch.map_grid, launch.map_consts
     coeffs = m.new_empty(2, N, C)  # A, B: one tensor object (its rows by address on a kept launch)
     p, rs = m.new_empty(N), m.new_empty(C)
-    split = _scalars(eps, positions, count, n, norm_divisor, var_correction)
+    scalars = _scalars(eps, positions, count, n, norm_divisor, var_correction)
     fargs, fconst = fold_args(None, m) if first is None else (first.fold, None)  # its constexprs on a miss
     key = None if first is None else first.key  # the call's (``launch.Launcher``)
     a = coeffs.data_ptr()
     args = (m, v, mean, var,  # mean, var: addresses in a deferred first stage's rows
             alpha, w if affine else alpha, b if affine else alpha,  # (alpha in the unused places: not read)
             a, a + N * C * coeffs.itemsize,  # A, B
-            p, rs, N, C, *split, *fargs)
+            p, rs, N, C, *scalars, *fargs)
     if key is None or not _MAP.hit(grid, args, key):
         _MAP.launch(grid, _MAP.bind(args, coeffs, first and first.chan), {**consts, **(fconst or fold_consts(first))},
                     key)
-    return coeffs, Residuals(m=m, v=v, mean=mean, rs=rs, alpha=alpha, w=w if affine else None, p=p, split=split,
+    return coeffs, Residuals(m=m, v=v, mean=mean, rs=rs, alpha=alpha, w=w if affine else None, p=p, scalars=scalars,
                              key=key, first=first)
 
 
@@ -273,10 +296,11 @@ def coeff_vjp(res, grads, wants_stats, *, affine, defer=False):
     gradients, for dx to sum; else they are summed here. ``defer`` (the engine's: dx follows) also returns
     dm, dv as one (2, N, C) buffer in dm's place, dv None (``triton.dx`` takes them so)."""
     m, v, mean, rs, alpha, w, p = res.m, res.v, res.mean, res.rs, res.alpha, res.w, res.p
-    split, key, first = res.split, res.key, res.first
+    scalars, key, first = res.scalars, res.key, res.first
     g, gsplit, gstride, gk = grad_buffer(grads)
     N, C = m.shape
-    _, _, grid, blocks, n_per, consts = _launch_plan(N, C, m.dtype, affine, bool(wants_stats))
+    launch = _launch_config(N, C, m.dtype, affine, bool(wants_stats))
+    grid, blocks, n_per, consts = launch.vjp_grid, launch.blocks, launch.n_per, launch.vjp_consts
     dmv = m.new_empty(2, N, C)  # dm, dv: one tensor object
     out = BlockSums(blocks, m, (alpha, w, w if affine else None), wants_stats)
     dalpha, dw, db, dmean, dvar = out.slots
@@ -284,7 +308,8 @@ def coeff_vjp(res, grads, wants_stats, *, affine, defer=False):
     args = (m, v, mean,  # as in coeff_map
             rs, alpha, w if affine else alpha, p, g,
             d, d + N * C * dmv.itemsize,  # dm, dv
-            dmean, dvar, dalpha, dw, db, N, C, gsplit, gstride, gk, n_per, out.stride, *split[2:])
+            dmean, dvar, dalpha, dw, db, N, C, gsplit, gstride, gk, n_per, out.stride,
+            scalars.k_hi, scalars.k_lo, scalars.f_hi, scalars.f_lo)
     if key is None or not _VJP.hit(grid, args, key):  # the forward's key: the VJP's arguments follow from it
         _VJP.launch(grid, _VJP.bind(args, dmv, first and first.chan), consts, key)
     return ((dmv, None) if defer else (dmv[0], dmv[1])) + out.result(defer)

@@ -23,6 +23,7 @@ from ._distributed import reference_synced_moments, world_size
 from ._estimate import EstimateRateMixin, in_backward
 from ._statnorm import StatNorm2d
 from ._utils import standardization_affine
+from .declare import Switch, declare
 from .eval_form import EvalForm, frozen_group_norm
 from .groups import check_group_values, group_policy, resolve_groups
 
@@ -105,6 +106,11 @@ def coeff_vjp(cfg, res, grads, wants_stats):
 
 
 
+@declare('BCN', switches=(Switch('bcn-ws', dict(type='BCN', mode='estimate'), groups=True, conv='WSConv2d',
+                                hooks=('EstimateRateHook', )), ),
+         state_keys=('batch_weight', ), state_name='bcn', convert='bcn',
+         cases={'bcn-estimate': dict(mode='estimate', update_rate=0.1), 'bcn-batch': dict(mode='batch'),
+                'bcn-batch-channel-affine': dict(mode='batch', group_affine=False)})
 class BatchChannelNorm2d(StatNorm2d, EstimateRateMixin, nn.GroupNorm):
     """BCN (module docstring) of (N, C, H, W), (N, C, L) or (N, C) input; ``ValueError`` where a group holds one value.
 

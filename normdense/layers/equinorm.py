@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.nn.modules.utils import _pair
 
 from ._utils import compiling, in_transform, refuse_unbatched_update
+from .declare import declare
 from .eval_form import ChannelAffine, EvalForm, plain_conv  # noqa: F401  (ChannelAffine: EquiNorm's affine, Sec. 4)
 
 
@@ -118,6 +119,7 @@ def _values_readable(t: torch.Tensor) -> bool:
     return not (compiling() or t.is_meta or in_transform())
 
 
+@declare('EquiConv2d', state_keys=('running_input_mean', ), state_name='equinorm')
 class EquiConv2d(nn.Conv2d):
     """``nn.Conv2d`` (same arguments, so ``ConvModule`` works) whose kernel is equilibrium-normalized per forward.
 

@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .declare import declare
+
 __all__ = ['EvalForm', 'ChannelAffine', 'ChannelLinear', 'frozen', 'frozen_group_norm', 'has_eval_form', 'plain_conv']
 
 
@@ -30,6 +32,7 @@ def frozen_group_norm(num_groups: int, weight: torch.Tensor, bias: torch.Tensor,
     return gn.train(False)
 
 
+@declare('ChannelAffine', decays_as_norm=True)
 class ChannelAffine(nn.Module):
     """y = gamma_c x + beta_c after an EquiNorm conv (Sec. 4), for ``norm_cfg=dict(type='ChannelAffine')``;
     ``eps`` is accepted (``build_norm_layer`` always passes it) and unused; ``device``, ``dtype``: of the parameters,

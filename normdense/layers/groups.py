@@ -10,6 +10,8 @@ from typing import Optional, Union
 
 import torch.nn as nn
 
+from .declare import Switch, declare
+
 DEFAULT_GROUPS = 32
 AUTO = 'auto'
 AUTO_RULE = f"num_groups='auto' (the divisor nearest {DEFAULT_GROUPS} with >= 2 channels per group)"
@@ -50,6 +52,8 @@ def resolve_groups(num_channels: int, num_groups: Union[int, str, None] = None,
     return num_groups
 
 
+@declare('GNAuto', switches=(Switch('gn', dict(type='GNAuto', requires_grad=True), groups=True),
+                             Switch('gn-ws', dict(type='GNAuto', requires_grad=True), groups=True, conv='WSConv2d')))
 class GroupNorm(nn.GroupNorm):
     """``nn.GroupNorm`` with :func:`resolve_groups`'s count (``'GNAuto'``, default ``'auto'``); GN checkpoints load."""
     _abbr_ = 'gn'

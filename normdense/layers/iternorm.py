@@ -23,6 +23,7 @@ import torch.nn as nn
 from ._estimate import in_backward
 from ._recompute import checkpoint_once, recompute_active
 from ._utils import affine_parameters, compiling, f64, memory_format_of, refuse_unbatched_update
+from .declare import Switch, declare
 from .eval_form import EvalForm
 
 __all__ = ['IterNorm', 'newton_whitening_matrix', 'zca_whitening_matrix']
@@ -75,6 +76,8 @@ def zca_whitening_matrix(xc: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.matmul(evecs * inv_sqrt.unsqueeze(-2), evecs.transpose(-2, -1))
 
 
+@declare('IterNorm', switches=(Switch('iternorm', dict(type='IterNorm', group_size=64, T=5)), ),
+         state_keys=('running_wm', ), state_name='iternorm', convert='iternorm', decays_as_norm=True)
 class IterNorm(nn.Module):
     """IterNorm (Algorithm 1 + Eq. 8) for (N, C, *) input. Buffers: ``running_mean`` (C,), ``running_wm`` (G, g, g)
     with g = min(group_size, C); a smaller last group of r channels sits in ``running_wm[-1, :r, :r]``.

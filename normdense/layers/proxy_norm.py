@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from ._activations import PROXY_NORM_ACTIVATIONS, activation, activation_module
 from ._activations import resolve_activation as _resolve_activation
 from ._statnorm import StatNorm2d
+from .declare import Switch, declare
 from .eval_form import ChannelAffine, EvalForm, frozen_group_norm
 from .groups import check_group_values, group_policy, resolve_groups
 
@@ -154,6 +155,12 @@ def _triton_coeff_map(cfg, kernel, kwargs, m, v, mean, var, params, positions, c
     return kernel(m, v, mean, var, params, positions, count, quantiles=q, first=first, **kwargs)
 
 
+# the switch's 'gn-pn': GN in every slot, GN+PN in a PNResNet backbone (norm_switch.switch_norm)
+@declare('GNPN', switches=(Switch('gn-pn', dict(type='GNAuto', requires_grad=True), groups=True,
+                                  hooks=('ProxyNormCheckHook', )), ),
+         state_keys=('proxy_beta', 'proxy_gamma'), state_name='gn-pn', convert='gnpn',
+         cases={'gnpn-relu': dict(act='relu'), 'gnpn-gelu': dict(act='gelu'),
+                'lnpn-silu': dict(num_groups=1, act='silu', proxy_affine=False)})
 class GroupProxyNorm(StatNorm2d, nn.GroupNorm):
     """GN+PN (``dict(type='GNPN')``): ``weight``/``bias`` are gamma/beta (GN's names, so GN checkpoints load),
     ``proxy_beta``/``proxy_gamma`` beta~/gamma~; statistics in float32 (float64 for float64), also under autocast.

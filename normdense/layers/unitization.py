@@ -26,6 +26,7 @@ import torch.nn as nn
 from ._estimate import EstimateRateMixin, in_backward
 from ._statnorm import StatNorm2d
 from ._utils import affine_parameters, standardization_affine
+from .declare import Switch, declare
 from .eval_form import EvalForm
 
 UNITIZATION_MODES = ('batch', 'estimate')
@@ -128,6 +129,10 @@ def partial_unitize(cfg, x_hat: torch.Tensor, alpha: torch.Tensor, weight, bias)
     return x_hat * scale.view(scale.shape + (1,) * (x_hat.dim() - 2))
 
 
+@declare('Unitization', switches=(Switch('unitization', dict(type='Unitization', mode='estimate', requires_grad=True),
+                                          hooks=('EstimateRateHook', )), ),
+         state_keys=('alpha', ), state_name='unitization', convert='unitization', decays_as_norm=True,
+         cases={'unitization-batch': {}, 'unitization-estimate': dict(mode='estimate', update_rate=0.1)})
 class Unitization2d(StatNorm2d, EstimateRateMixin, nn.Module):
     """Unitization layer (Algorithm 2).
 

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ._utils import autocast_enabled, memory_format_of
+from .declare import declare
 from .eval_form import EvalForm, plain_conv
 
 # Checkpoints store a formula as its index here: append new formulas, never reorder.
@@ -93,6 +94,7 @@ def _log_warning(message: str) -> None:
 _reported = [None, set()]
 
 
+@declare('WSConv2d')
 class WSConv2d(nn.Conv2d):
     """``nn.Conv2d`` (``conv_cfg=dict(type='WSConv2d')``) convolving with its raw ``weight`` standardized (Eq. 5-7).
 

@@ -162,7 +162,7 @@ def test_groups_in_chunks(group_affine, wants, shape, dtype, device, launches, m
     for name in ('coeff_map', 'coeff_vjp'):
         monkeypatch.setattr(kernels, name, functools.partial(getattr(kernels, name), chunk=4))
     blocks, chunked = kernels._blocks, []
-    kernels._launch_plan.cache_clear()  # launch plans are kept per configuration and shape: planned anew here
+    kernels._launch_config.cache_clear()  # kept per configuration and shape: made anew here
     monkeypatch.setattr(kernels, '_blocks', lambda *a, **k: chunked.append(blocks(*a, **k)[1]) or blocks(*a, **k))
     n, g, per = shape
     assert kernels._blocks(n, g * per, g, chunk=4)[1:5:3] == (True, 4)

@@ -5,18 +5,25 @@ import pytest
 import torch
 
 from normdense.kernels import first_stage as F
+from normdense.kernels import aten
 from normdense.kernels.aten import AtenBackend
 from normdense.kernels.backend import STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, STATS_NONE, StatsRequest
 from normdense.layers import BatchChannelNorm2d, GroupProxyNorm, Unitization2d
 
 
 def _aten(x, mode=STATS_NONE, stat_mean=None, stat_var=None, base=None, **kw):
-    """(m, v, mean, var, moved, update) of the ATen backend's first stage of x."""
-    return tuple(AtenBackend.first_stage(x, StatsRequest(mode, stat_mean, stat_var, base, **kw))[1][:6])
+    """(m, v, mean, var, moved, write) of the ATen backend's first stage of x; ``write(running_mean, running_var)``
+    moves those buffers in place as the backend's apply does (``aten._write``)."""
+    stats = AtenBackend.first_stage(x, StatsRequest(mode, stat_mean, stat_var, base, **kw))[1]
+
+    def write(running_mean, running_var):
+        request = stats.request._replace(stat_mean=running_mean, stat_var=running_var)
+        aten._write(stats._replace(request=request), x.shape)
+    return stats.m, stats.v, stats.mean, stats.var, stats.moved, write
 
 
 def _values(upd, running_mean, running_var):
-    """The buffers' new values from the ATen backend's writer (a closure moving them in place)."""
+    """The buffers' new values from the ATen backend's writer (moving copies of them in place)."""
     rm, rv = running_mean.clone(), running_var.clone()
     upd(rm, rv)
     return torch.stack([rm, rv])
@@ -97,18 +104,18 @@ def test_first_stage_folded_into_the_map(device, name, write):
     kw = dict(rate=0.3, momentum=0.1, write=write, nbt=torch.tensor(2).to(device))
     part, split, chunk = _partials(x, 3)
     tbase = base.clone().to(device)
-    plan = F.FirstStage(part.to(device), split, chunk, x.shape, mode, stat_mean.to(device), stat_var.to(device),
+    first = F.FirstStage(part.to(device), split, chunk, x.shape, mode, stat_mean.to(device), stat_var.to(device),
                         tbase, **kw)
     count = n * length if mode == STATS_BATCH else None
-    m, v, mean, var, moved, upd = plan.outputs
-    got = layer._coeff_maps(True)[0](m, v, mean, var, params, length, count, first=plan)[0]
+    m, v, mean, var, moved, upd = first.outputs
+    got = layer._coeff_maps(True)[0](m, v, mean, var, params, length, count, first=first)[0]
     abase = base.clone()
     want_stats = _aten(x, mode, stat_mean, stat_var, abase, **{**kw, 'nbt': torch.tensor(2)})
     wm, wv, wmean, wvar = want_stats[:4]
     want = layer._coeff_maps(False)[0](wm, wv, wmean, wvar, tuple(p.cpu() for p in params), length, count)[0]
     for i, (g, w) in enumerate(zip(got, want)):
         torch.testing.assert_close(g.cpu(), w, rtol=1e-10, atol=1e-10, msg=f'coefficient {i}')
-    for name_, g, w in zip(['m', 'v', 'mean', 'var', 'moved'], plan.outputs[:5], want_stats[:5]):
+    for name_, g, w in zip(["m", "v", "mean", "var", "moved"], first.outputs[:5], want_stats[:5]):
         if w is not None:
             torch.testing.assert_close(g.cpu(), w, rtol=1e-12, atol=1e-12, msg=name_)
     if write:

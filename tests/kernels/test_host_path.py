@@ -13,6 +13,7 @@ import torch
 pytest.importorskip('triton')
 import normdense  # noqa: E402
 from normdense.kernels.launch import stub_launches  # noqa: E402
+from tests.engine_cases import engine_cases  # noqa: E402
 
 ROOT = os.path.dirname(normdense.__file__)
 SHAPE = (2, 64, 4, 4)
@@ -35,16 +36,16 @@ ALLOWANCE = 1.10
 MAX_TOTAL = 200  # every call of the step, torch's and cProfile's builtins included (the host-path target)
 
 
+# A case not counted above (a newly declared layer): loose ceilings, as its maps may be torch code between the passes
+# (a layer without a Triton transcription: tens of calls and views more); they still catch per-step imports, a
+# nondeterministic path and a gross regression
+NEW_CALLS, NEW_TOTAL = 300, 400
+
+
 def _layers():
-    from normdense.layers.bcn import BatchChannelNorm2d
-    from normdense.layers.proxy_norm import GroupProxyNorm
-    from normdense.layers.unitization import Unitization2d
-    c = SHAPE[1]
-    return {'bcn-estimate': lambda: BatchChannelNorm2d(c, 8, mode='estimate', update_rate=0.1, backend='triton'),
-            'bcn-batch': lambda: BatchChannelNorm2d(c, 8, mode='batch', backend='triton'),
-            'gnpn-relu': lambda: GroupProxyNorm(c, 8, act='relu', backend='triton'),
-            'unitization-batch': lambda: Unitization2d(c, backend='triton'),
-            'unitization-estimate': lambda: Unitization2d(c, mode='estimate', update_rate=0.1, backend='triton')}
+    """Every declared engine layer's cases (tests/engine_cases.py: a layer a test module declares is one too), on the
+    Triton backend, 64 channels in 8 groups. A case without a count above is held to the targets alone."""
+    return engine_cases(SHAPE[1], 8, backend='triton')
 
 
 def _counts(step):
@@ -78,22 +79,29 @@ def _step(layer):
     return lambda: layer(x).sum().backward()
 
 
-@pytest.mark.parametrize('name', sorted(OUR_CALLS))
-def test_calls_per_training_step_stay_within_budget(name):
+def test_calls_per_training_step_stay_within_budget():
     if os.environ.get('TRITON_INTERPRET') != '1':
         pytest.skip('stubs the launches of CPU tensors (the interpreter): a GPU machine measures benchmarks/host.py')
-    with stub_launches():
-        step = _step(_layers()[name]())
-        for _ in range(3):  # plans, launch cache, lazy imports
-            step()
-        ours, total = _counts(step)
-        again = _counts(step)
-        imports = _imports(step)
-    assert again == (ours, total)  # deterministic
-    budget = int(OUR_CALLS[name] * ALLOWANCE)
-    assert ours <= budget, f'{name}: {ours} calls by normdense per step (counted {OUR_CALLS[name]}, budget {budget})'
-    assert total <= MAX_TOTAL, f'{name}: {total} calls per step in all (target {MAX_TOTAL})'
-    assert imports == [], f'{name}: import statements run on every step: {imports}'
+    over = []
+    for name, make in _layers().items():  # at run time: the layers every collected test module declared
+        with stub_launches():
+            step = _step(make())
+            for _ in range(3):  # plans, launch cache, lazy imports
+                step()
+            ours, total = _counts(step)
+            again = _counts(step)
+            imports = _imports(step)
+        assert again == (ours, total), name  # deterministic
+        budget = int(OUR_CALLS[name] * ALLOWANCE) if name in OUR_CALLS else NEW_CALLS
+        target = MAX_TOTAL if name in OUR_CALLS else NEW_TOTAL
+        if ours > budget:
+            over.append(f'{name}: {ours} calls by normdense per step (counted {OUR_CALLS.get(name)}, budget {budget})')
+        if total > target:
+            over.append(f'{name}: {total} calls per step in all (target {target})')
+        if imports:
+            over.append(f'{name}: import statements run on every step: {imports}')
+    assert set(OUR_CALLS) <= set(_layers()), 'a counted case is no longer declared'
+    assert not over, over
 
 
 def _imports(step):
@@ -127,8 +135,11 @@ ALLOCATIONS = {'bcn-estimate': 14, 'bcn-batch': 15, 'gnpn-relu': 12, 'unitizatio
                'unitization-estimate': 15}  # before the stacked buffers: 19, 19, 16, 20, 20
 
 
-@pytest.mark.parametrize('name', sorted(VIEWS))
-def test_views_and_allocations_per_training_step(name):
+# A case not counted above (a newly declared layer, its torch maps between the passes: their views): loose ceilings
+NEW_VIEWS, NEW_ALLOCATIONS = 40, 40
+
+
+def test_views_and_allocations_per_training_step():
     if os.environ.get('TRITON_INTERPRET') != '1':
         pytest.skip('stubs the launches of CPU tensors (the interpreter)')
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -146,13 +157,17 @@ def test_views_and_allocations_per_training_step(name):
                 self.made.append(str(func))
             return func(*args, **(kwargs or {}))
 
-    with stub_launches():
-        step = _step(_layers()[name]())
-        for _ in range(3):
-            step()
-        with Views() as views:
-            step()
-    assert len(views.seen) <= VIEWS[name], f'{name}: {len(views.seen)} views per step (budget {VIEWS[name]}): ' \
-                                           f'{views.seen}'
-    assert len(views.made) <= ALLOCATIONS[name], \
-        f'{name}: {len(views.made)} allocations per step (budget {ALLOCATIONS[name]}): {views.made}'
+    over = []
+    for name, make in _layers().items():
+        with stub_launches():
+            step = _step(make())
+            for _ in range(3):
+                step()
+            with Views() as views:
+                step()
+        views_budget, made_budget = VIEWS.get(name, NEW_VIEWS), ALLOCATIONS.get(name, NEW_ALLOCATIONS)
+        if len(views.seen) > views_budget:
+            over.append(f'{name}: {len(views.seen)} views per step (budget {views_budget}): {views.seen}')
+        if len(views.made) > made_budget:
+            over.append(f'{name}: {len(views.made)} allocations per step (budget {made_budget}): {views.made}')
+    assert not over, over

@@ -139,7 +139,7 @@ def test_groups_in_chunks(act, scaling, affine, shape, dtype, device, monkeypatc
     for name in ('coeff_map', 'coeff_vjp'):
         monkeypatch.setattr(K, name, functools.partial(getattr(K, name), chunk=4))
     blocks, chunked = K._blocks, []
-    K._plan.cache_clear()  # launch plans are kept per configuration: these are planned anew
+    K._launch_config.cache_clear()  # kept per configuration: made anew here
     monkeypatch.setattr(K, '_blocks', lambda *a, **k: chunked.append(blocks(*a, **k)[0]) or blocks(*a, **k))
     n, c, groups, samples = shape
     chunked_, bn, bg, bp, bs, _ = K._blocks(n, groups, c // groups, samples, chunk=4)

@@ -399,7 +399,7 @@ def test_moment_partials_not_kept_to_backward(device, name):
     tri, _ = pair(name, device=device)
     x = torch.randn(2, C, 5, 6, dtype=torch.float64, device=device).to(memory_format=torch.channels_last)
     y = tri(x.requires_grad_())
-    first = y.grad_fn.stats.plan
+    first = y.grad_fn.stats.first
     assert first is not None and first.geometry is not None
     assert first.fold is None
     y.sum().backward()

@@ -1,7 +1,8 @@
 """A new engine layer written here from the documented contract alone (CONTRIBUTING, "Add a normalization layer";
 docs/engine.md): a per-sample group norm with its own coefficient map and closed-form VJP, and no Triton
 transcription. It runs on both backends (the Triton passes around its torch maps; under the interpreter here)
-equal to a float64 reference, with gradcheck, a double backward and the engine's one-pass memory."""
+equal to a float64 reference, with gradcheck and a double backward. Its declaration (``normdense.layers.declare``)
+gives the engine tests one more case: tests/kernels/test_host_path.py and test_launch.py take it up unedited."""
 import functools
 from typing import NamedTuple
 
@@ -11,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from normdense.layers._statnorm import StatNorm2d
+from normdense.layers.declare import declare
 
 BACKENDS = ['aten', 'triton']
 
@@ -57,6 +59,7 @@ def coeff_vjp(cfg, res, grads, wants_stats):
     return dm, dv, None, None, (dw, gb.sum(0))
 
 
+@declare('PerSampleGroupNorm', cases={'per-sample-gn': {}})
 class PerSampleGroupNorm(StatNorm2d):
     _FIRST_STAGE = False  # no per-channel statistics before the map
 
@@ -137,3 +140,11 @@ def test_gradcheck_and_gradgradcheck(backend):
     x = torch.randn(2, 6, 1, 2, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(layer, (x, ), fast_mode=backend == 'triton')
     assert torch.autograd.gradgradcheck(layer, (x, ), fast_mode=backend == 'triton')
+
+
+def test_the_engine_tests_take_its_declared_case():
+    """What the host-path and launch-key tests loop over (tests/engine_cases.py) holds this layer's case."""
+    from tests.engine_cases import engine_cases
+    cases = engine_cases(8, 2, backend='aten')
+    layer = cases['per-sample-gn']()
+    assert isinstance(layer, PerSampleGroupNorm) and layer.num_groups == 2 and layer.backend == 'aten'
