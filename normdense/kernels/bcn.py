@@ -17,11 +17,13 @@ per-channel sums over N dx finishes at large N (``common.BlockSums``). A group w
 is walked in chunks (passes for the group sums, then the outputs). The VJP recomputes d, r, s.
 """
 import functools
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import triton
 import triton.language as tl
+from torch import Tensor
 
+from .backend import Row
 from .common import CHUNK, BlockSums, cdiv, grad_buffer, group_tiles, rsqrt, sample_blocks, split_sum
 from .first_stage import FOLD_SIZES, fold, fold_args, fold_consts
 from .launch import launcher
@@ -268,12 +270,14 @@ def _blocks(n: int, c: int, num_groups: int, vjp: bool = False, chunk: int = CHU
     chunked, block_n, block_g, block_p = group_tiles(n, num_groups, per, _CHANNELS, tile, chunk, vjp)
     if chunked or (vjp and block_p >= chunk):  # at least 2 samples per tile (no spills: docs/gpu.md)
         block_n = max(2, block_n)
-    num_warps = max(1, min(8, block_n * block_g * block_p // 64))
+    # a VJP tile shrunk for sample blocks runs at least 4 warps, as GN+PN's: at 2, ptxas 12.9 and 13.4 (triton 3.8,
+    # 3.9) spilled 20-24 B of the float64 [64, 2, 1] GROUP_AFFINE VJP (docs/gpu.md)
+    num_warps = max(4 if vjp and cdiv(n, block_n) > 1 else 1, min(8, block_n * block_g * block_p // 64))
     return per, chunked, block_n, block_g, block_p, num_warps
 
 
 @functools.lru_cache(maxsize=1024)
-def _launch_plan(n: int, c: int, num_groups: int, eps: float, group_affine: bool, vjp: bool, wants_stats: bool,
+def _launch_config(n: int, c: int, num_groups: int, eps: float, group_affine: bool, vjp: bool, wants_stats: bool,
                  chunk: int, tile: int):
     """(per, grid, sample blocks, samples per block, constexprs) of the map's (``vjp`` False) or the VJP's launch:
     once per configuration and shape."""
@@ -289,15 +293,15 @@ def _launch_plan(n: int, c: int, num_groups: int, eps: float, group_affine: bool
 
 class Residuals(NamedTuple):
     """What :func:`coeff_vjp` reads of :func:`coeff_map`'s call: its inputs (the VJP recomputes the rest)."""
-    m: Any
-    v: Any
-    mean: Any  # (C,), or the address of a deferred first stage's row
-    var: Any
-    bw: Any
-    bb: Any
-    w: Any
-    b: Any
-    key: Any  # the call's launch-cache key (the VJP launches under it)
+    m: Tensor
+    v: Tensor
+    mean: Row  # (C,), or the address of a deferred first stage's row
+    var: Row
+    bw: Optional[Tensor]
+    bb: Optional[Tensor]
+    w: Optional[Tensor]
+    b: Optional[Tensor]
+    key: Optional[tuple]  # the call's launch-cache key (the VJP launches under it)
     first: Any  # the deferred first stage, or None
 
 
@@ -318,7 +322,7 @@ def coeff_map(m, v, mean, var, params, positions, count, *, num_groups: int, eps
     if first is None:  # the deferred stage's outputs are contiguous allocations
         m, v, mean, var = m.contiguous(), v.contiguous(), mean.contiguous(), var.contiguous()
     n, c = m.shape
-    per, grid, _, _, consts = _launch_plan(n, c, num_groups, eps, group_affine, False, False, chunk, tile)
+    per, grid, _, _, consts = _launch_config(n, c, num_groups, eps, group_affine, False, False, chunk, tile)
     coeffs = m.new_empty(2, n, c)  # A, B: one tensor object (its rows by address on a kept launch)
     fargs, fconst = fold_args(None, m) if first is None else (first.fold, None)  # its constexprs on a miss
     key = None if first is None else first.key  # the call's (``launch.Launcher``)
@@ -350,7 +354,7 @@ def coeff_vjp(res, grads, wants_stats, *, num_groups: int, eps: float, group_aff
     # address on a kept launch, a view on the normal one
     ga, gsplit, gstride, gk = grad_buffer(grads)
     n, c = m.shape
-    per, grid, blocks, n_per, consts = _launch_plan(n, c, num_groups, eps, group_affine, True, bool(wants_stats),
+    per, grid, blocks, n_per, consts = _launch_config(n, c, num_groups, eps, group_affine, True, bool(wants_stats),
                                                     chunk, tile)
     dmv = m.new_empty(2, n, c)  # dm, dv: one tensor object
     out = BlockSums(blocks, m, (bw, bb, w, b), wants_stats)

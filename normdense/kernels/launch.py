@@ -25,8 +25,9 @@ import inspect
 
 import torch
 
-# the compiled kernel's launcher, triton 3.6 and 3.7: run(gridX, gridY, gridZ, stream, function, packed_metadata,
-# launch_metadata, launch_enter_hook, launch_exit_hook, *args) (3.6 takes all after `function` as *args)
+# the compiled kernel's launcher, triton 3.6 to 3.9: run(gridX, gridY, gridZ, stream, function, packed_metadata,
+# launch_metadata, launch_enter_hook, launch_exit_hook, *args) (3.6 takes all after `function` as *args; 3.8 and 3.9
+# read from their sources and checked by the CPU tests, docs/gpu.md)
 _RUN_HEAD = ('gridX', 'gridY', 'gridZ', 'stream', 'function')
 _RUN_REST = ('kernel_metadata', 'launch_metadata', 'launch_enter_hook', 'launch_exit_hook')
 _STUB = [False]  # stub_launches() is active
@@ -134,12 +135,12 @@ def direct(kernel, compiled, nargs: int, consts: dict, device):
 
 
 def _chain(hook) -> bool:
-    """Whether ``hook`` is triton's hook chain (3.6, 3.7: a HookChain, empty unless a profiler added one)."""
+    """Whether ``hook`` is triton's hook chain (3.6 to 3.9: a HookChain, empty unless a profiler added one)."""
     return isinstance(getattr(hook, 'calls', None), list)
 
 
 def launcher_fits(run) -> bool:
-    """Whether ``run`` (a compiled kernel's launcher) takes the arguments as triton 3.6/3.7's do."""
+    """Whether ``run`` (a compiled kernel's launcher) takes the arguments as triton 3.6 to 3.9's do."""
     call = run if inspect.isfunction(run) or inspect.ismethod(run) else getattr(type(run), '__call__', None)
     if call is None:
         return False

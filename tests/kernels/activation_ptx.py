@@ -56,9 +56,18 @@ def ptx_stats(ptx, libdevice_lines):
     activations.py are libdevice's inlined code."""
     files = {int(m.group(1)): os.path.basename(m.group(2)) for m in re.finditer(r'\.file\s+(\d+)\s+"([^"]+)"', ptx)}
     where, body, inlined = None, [], collections.Counter()
+    inline = None  # inside an inline asm block: its .loc lines so far (sm90_compile.ptx_accesses: 3.8 and 3.9
+    # write one before each of its lines, the line number counted up; the block's location is the first)
     for line in ptx.splitlines():
+        marker = line.strip()
+        if marker in ('// begin inline asm', '// end inline asm'):
+            inline = 0 if marker == '// begin inline asm' else None
+            continue
         line = line.split('//')[0].strip()
         if line.startswith('.loc'):
+            if inline:
+                continue
+            inline = None if inline is None else inline + 1
             _, file, row = line.split()[:3]
             where = libdevice_lines.get(int(row)) if files.get(int(file)) == 'activations.py' else None
         elif line.endswith(';') and not line.startswith(('.', '{', '}')) and not line.startswith('mov'):

@@ -12,11 +12,11 @@ replaced by a record of their arguments; every distinct variant is compiled to P
     python tests/kernels/coeff_sm90.py [--quick] [--layers bcn unitization proxy_norm] [--dtypes float64]
 """
 import argparse
+import contextlib
+import io
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 
 assert os.environ.get('TRITON_INTERPRET') != '1', 'run without TRITON_INTERPRET: the kernels must be JIT ones'
@@ -28,14 +28,13 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from tests.kernels.sm90_compile import _sig, ptxas_resources  # noqa: E402
+from tests.kernels.sm90_compile import _sig, ptxas_resources, run_ptxas  # noqa: E402
 
 PER = (1, 2, 8, 16, 32, 64, 256, 4096)  # channels per group
 BATCH = (1, 2, 256)
 # float64 instructions that are approximations (PTX ISA: rsqrt.approx.f64, rcp.approx.ftz.f64, and the
 # approx forms of div / sqrt)
 APPROX = re.compile(r'\b(rsqrt|rcp|div|sqrt)\.approx\S*')
-PTXAS = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin', 'ptxas')
 
 
 def _shapes(quick):
@@ -114,24 +113,34 @@ def record(layers, dtypes, shapes, quick=False):
     return variants
 
 
-def check(variant, target, workdir):
-    """(problems, registers, spill stores, spill loads) of one variant."""
+def check(variant, target):
+    """(problems, registers, spill stores, spill loads) of one variant: the resources from the ptxas Triton itself
+    runs, with its options (its log, ``knobs.nvidia.dump_ptxas_log``; where the cubin came from Triton's cache,
+    :func:`run_ptxas`: the same ptxas and options). Triton 3.9 assembles sm_90 with its ptxas-blackwell (CUDA
+    13.x), 3.7 and 3.8 with ptxas (12.8, 12.9): not the same binary, so not a fixed path here. A log without
+    resource lines is a problem, not a pass."""
+    from triton import knobs
     fn, signature, constexprs, warps = variant
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target,
-                              options={'num_warps': warps})
+    log = io.StringIO()
+    saved = knobs.nvidia.dump_ptxas_log
+    knobs.nvidia.dump_ptxas_log = True
+    try:
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target,
+                                      options={'num_warps': warps})
+    finally:
+        knobs.nvidia.dump_ptxas_log = saved
     ptx = compiled.asm['ptx']
     problems = []
     if any(t == '*fp64' for t in signature.values()):
         found = sorted({m.group(0) for m in APPROX.finditer(ptx)})
         if found:
             problems.append(f'approximate float64 instructions {found}')
-    path = os.path.join(workdir, 'k.ptx')
-    with open(path, 'w') as f:
-        f.write(ptx)
-    out = subprocess.run([PTXAS, '-v', '--gpu-name', f'sm_{target.arch}a', path, '-o', path + '.cubin'],
-                         capture_output=True, text=True).stderr
+    out = log.getvalue() if 'Used' in log.getvalue() else run_ptxas(ptx, target.arch)
     regs, stores, loads = ptxas_resources(out)  # every function's (noinline callees too)
-    if stores or loads:
+    if regs is None or stores is None:
+        problems.append(f'ptxas reported no resource usage: {out.strip()[-300:]!r}')
+    elif stores or loads:
         problems.append(f'register spills: {stores} B stores, {loads} B loads')
     return problems, regs, stores, loads
 
@@ -146,19 +155,19 @@ def main():
     variants = record(args.layers, [getattr(torch, d) for d in args.dtypes], _shapes(args.quick), args.quick)
     target = GPUTarget('cuda', 90, 32)
     failed = 0
-    with tempfile.TemporaryDirectory() as workdir:
-        for key, variant in sorted(variants.items(), key=lambda kv: str(kv[0])):
-            name, module, signature, consts, warps = key
-            start = time.time()
-            dt = 'fp64' if any(t == '*fp64' for _, t in signature) else 'fp32'
-            label = f'{module.rsplit(".", 1)[-1]}.{name} {dt} {dict(consts)} warps={warps}'
-            try:
-                problems, regs, _, _ = check(variant, target, workdir)
-            except Exception as e:  # report every failing variant, then fail
-                problems, regs = [f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'], '?'
-            failed += bool(problems)
-            print(f'{"FAIL" if problems else "ok  "}  {label}: {regs} registers ({time.time() - start:.1f} s)'
-                  + ''.join(f'\n      {p}' for p in problems), flush=True)
+    print(f'triton {triton.__version__}, torch {torch.__version__}, sm_{target.arch}', flush=True)
+    for key, variant in sorted(variants.items(), key=lambda kv: str(kv[0])):
+        name, module, signature, consts, warps = key
+        start = time.time()
+        dt = 'fp64' if any(t == '*fp64' for _, t in signature) else 'fp32'
+        label = f'{module.rsplit(".", 1)[-1]}.{name} {dt} {dict(consts)} warps={warps}'
+        try:
+            problems, regs, _, _ = check(variant, target)
+        except Exception as e:  # report every failing variant, then fail
+            problems, regs = [f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'], '?'
+        failed += bool(problems)
+        print(f'{"FAIL" if problems else "ok  "}  {label}: {regs} registers ({time.time() - start:.1f} s)'
+              + ''.join(f'\n      {p}' for p in problems), flush=True)
     print(f'{len(variants)} variants, {failed} failed')
     sys.exit(1 if failed else 0)
 

@@ -15,7 +15,9 @@ Which argument an access touches, and how wide it is (``memory_accesses``):
      its ``loc`` (through ``callsite`` and named locations).
   2. PTX: every ``ld.global`` / ``st.global`` / ``atom.global`` / ``red.global`` / ``cp.async`` takes the source
      location of the nearest ``.loc`` before it (LLVM emits one wherever the location changes, so that is the
-     instruction's own) and is matched to the TTIR accesses at the same location; its width is the vector
+     instruction's own; inside an inline asm block, Triton's loads and stores, the block's first: triton 3.8
+     and 3.9 write a .loc before each of its lines, the line number counted up) and is matched to the TTIR
+     accesses at the same location; its width is the vector
      count (.v2/.v4) x the element bits of its type (.b16/.b32/.f64/...), or cp.async's copy size.
   3. Per argument, the narrowest instruction of its block accesses, in bytes and in elements of the
      argument's own type: 1 element per instruction is a scalar access (``ld.global.b16`` of bf16).
@@ -91,14 +93,16 @@ def compile_variant(variant, target):
 
 
 def run_ptxas(ptx, arch):
-    """``ptxas -v`` of Triton's bundled ptxas on ``ptx``, with the options Triton compiles with."""
+    """``ptxas -v`` on ``ptx``: the bundled ptxas Triton picks for ``arch`` (``get_ptxas``: 3.7 and 3.8 ``ptxas``
+    for sm_90, 3.9 ``ptxas-blackwell``), with the options and architecture name (sm_90a) Triton compiles with."""
     from triton.backends.nvidia.compiler import get_ptxas
+    gpu = f'sm_{arch}a' if arch >= 90 else f'sm_{arch}'  # Triton's sm_arch_from_capability
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, 'k.ptx')
         with open(path, 'w') as f:
             f.write(ptx)
         proc = subprocess.run([get_ptxas(arch).path, '-lineinfo', '-v', '--regAllocOptLevel=2',
-                               f'--gpu-name=sm_{arch}', path, '-o', path + '.o'], capture_output=True, text=True)
+                               f'--gpu-name={gpu}', path, '-o', path + '.o'], capture_output=True, text=True)
     return proc.stdout + proc.stderr
 
 
@@ -222,10 +226,24 @@ def ptx_accesses(ptx):
         parts = re.findall(r'"([^"]*)"', path)
         files[num] = os.path.join(*parts) if len(parts) > 1 else parts[0]
     out, loc = [], None
+    inline = None  # inside an inline asm block: how many .loc lines it has had
     for line in ptx.splitlines():
+        marker = line.strip()
+        if marker == '// begin inline asm':
+            inline = 0
+            continue
+        if marker == '// end inline asm':
+            inline = None
+            continue
         m = re.match(r'^\s*\.loc\s+(\d+)\s+(\d+)\s+(\d+)', line)
         if m:
-            loc = (files.get(m.group(1), m.group(1)), int(m.group(2)), int(m.group(3)))
+            # an inline asm block (Triton's loads and stores) is one instruction with one source location;
+            # the LLVM of triton 3.8 and 3.9 writes a .loc before each of its lines, the block's own location, then
+            # the line number counted up line by line (8:28, 9:28, 10:28, ...): its first one is the block's
+            if inline is None or inline == 0:
+                loc = (files.get(m.group(1), m.group(1)), int(m.group(2)), int(m.group(3)))
+            if inline is not None:
+                inline += 1
             continue
         m = _PTX_MEM.match(line)
         if not m:

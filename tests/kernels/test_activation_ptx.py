@@ -23,6 +23,10 @@ FAST_FORMS = {
 # the approximate instructions libdevice's double functions use exactly: a reciprocal seed that Newton steps
 # refine, and 2^k of an integer k
 LIBDEVICE_FP64_SEEDS = {'rcp.approx.ftz.f64', 'ex2.approx.ftz.f32'}
+# one-exp-one-division forms whose portable form the compiler itself may bring to one exp and one division: the
+# tanh-gelu derivative (its two tanh of the same argument: two exps and two divisions in triton 3.7's PTX, one
+# and one in 3.8's and 3.9's, whose LLVM merges them; 33 instructions against the fast form's 31 there)
+MERGED_BY_THE_COMPILER = {('gelu_tanh', 'grad')}
 N_ACTIVATIONS = 14
 
 
@@ -71,7 +75,8 @@ def test_fast_forms_in_the_sm90_ptx(tmp_path):
                 problems.append(f'{key}: {f["instructions"]} PTX instructions, portable {p["instructions"]}')
             if lib is None:  # one exp (ex2.approx) and one division, where the portable form takes more
                 exp_div = [(_counts(s, 'ex2.approx.f32'), _counts(s, 'div.full.f32')) for s in (f, p)]
-                if exp_div[0] != (1, 1) or sum(exp_div[1]) <= 2:
+                fewest = 2 if (name, part) in MERGED_BY_THE_COMPILER else 3
+                if exp_div[0] != (1, 1) or sum(exp_div[1]) < fewest:
                     problems.append(f'{key}: (exp, division) {exp_div[0]}, portable {exp_div[1]}')
     for key, f in sorted(fast['variants'].items()):
         if key.startswith('fp64'):

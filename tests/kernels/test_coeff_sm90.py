@@ -21,5 +21,5 @@ def test_coefficient_kernels_exact_in_float64_and_without_spills(tmp_path):
                            '--dtypes', 'float64'], env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
-    summary = out.strip().splitlines()[-1]
+    summary = proc.stdout.strip().splitlines()[-1]  # stderr may hold a warning (triton 3.9: TRITON_DEFAULT_FP_FUSION)
     assert summary.endswith(' 0 failed') and int(summary.split()[0]) >= 20, summary

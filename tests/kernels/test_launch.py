@@ -2,6 +2,7 @@
 where it falls back to ``kernel[grid]``, and that every key the engine makes fixes Triton's own specialization of
 the arguments (``native_specialize_impl``, what ``kernel[grid]`` computes on each launch)."""
 import collections
+import functools
 import inspect
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 triton = pytest.importorskip('triton')
 from normdense.kernels import launch as L  # noqa: E402
+from tests.engine_cases import engine_cases  # noqa: E402
 
 
 class FakeKernel:
@@ -102,10 +104,19 @@ def test_a_launch_hook_set_later_is_called_through_kernel_grid():
 
 
 def test_the_installed_triton_launcher_fits():
-    """The launcher class of the installed Triton (3.7 here, 3.6 on the GPU machines) takes what a kept launch
-    passes; a 3.6-shaped one (all after ``function`` as ``*args``) too; others do not."""
+    """The launcher class of the installed Triton (3.7 here, 3.6 on the GPU machines; 3.8 and 3.9 checked too,
+    docs/gpu.md) takes what a kept launch passes; a 3.6-shaped one (all after ``function`` as ``*args``) too;
+    others do not."""
     from triton.backends.nvidia.driver import CudaLauncher
     assert L.launcher_fits(CudaLauncher.__new__(CudaLauncher))
+    # what Launcher.hit passes, bound to the installed launcher's own signature: each value where it is read
+    call = inspect.signature(CudaLauncher.__call__)
+    bound = call.bind('self', 5, 2, 1, 'stream', 'function', 'packed', None, None, None, 'x', 7, 128)
+    names = list(call.parameters)
+    assert [bound.arguments[n] for n in names[1:6]] == [5, 2, 1, 'stream', 'function'], names
+    assert bound.arguments[names[-1]] == ('x', 7, 128)  # the kernel's arguments, as *args
+    if len(names) > 7:  # 3.7-3.9: the metadata and the two hooks by name (3.6: in *args)
+        assert [bound.arguments[n] for n in names[6:10]] == ['packed', None, None, None], names
 
     class Launcher36:
         def __call__(self, gridX, gridY, gridZ, stream, function, *args):
@@ -117,6 +128,26 @@ def test_the_installed_triton_launcher_fits():
     from triton.compiler.compiler import CompiledKernel
     assert isinstance(inspect.getattr_static(CompiledKernel, 'run'), property)
     assert 'packed_metadata' in inspect.getsource(CompiledKernel.__init__)
+
+
+def test_the_installed_triton_normal_launch_calls_the_launcher_as_a_kept_launch_does():
+    """``kernel[grid]`` of the installed Triton (``JITFunction.run``) calls the compiled kernel's launcher as
+    :meth:`Launcher.hit` does: the grid's three sizes, the stream, ``kernel.function``, ``kernel.packed_metadata``,
+    the launch metadata, the two hook chains, then the bound arguments, constexprs included
+    (``*bound_args.values()``), read from the installed source (3.6-3.9: the same call)."""
+    import ast
+    import textwrap
+    from triton.runtime.jit import JITFunction
+    tree = ast.parse(textwrap.dedent(inspect.getsource(JITFunction.run)))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr == 'run' and ast.unparse(n.func.value) == 'kernel']
+    assert len(calls) == 1, [ast.unparse(c) for c in calls]
+    args = [ast.unparse(a) for a in calls[0].args]
+    assert not calls[0].keywords and len(args) == 10, args
+    assert args[:3] == ['grid_0', 'grid_1', 'grid_2'] and args[3] == 'stream', args
+    assert args[4:6] == ['kernel.function', 'kernel.packed_metadata'], args
+    assert args[7:9] == ['knobs.runtime.launch_enter_hook', 'knobs.runtime.launch_exit_hook'], args
+    assert args[9] == '*bound_args.values()', args  # what the kept launch passes: args, then the constexprs
 
 
 def test_a_kept_launch_passes_what_the_normal_launch_binds(monkeypatch):
@@ -156,7 +187,7 @@ def test_a_kept_launch_passes_what_the_normal_launch_binds(monkeypatch):
                 layer(x).sum().backward()
                 if not kept:
                     continue  # the first step: nothing kept yet
-                assert len(kept) == len(normal) == 6, name
+                assert len(kept) == len(normal) >= 4, name  # 6 with kernel maps; a layer without: its stats kernel
                 for tail, (kernel, args) in zip(kept, normal):
                     assert len(tail) == len(args), (name, kernel, len(tail), len(args))
                     for i, (a, b) in enumerate(zip(tail, args)):
@@ -204,20 +235,12 @@ def _specialization(kernel, args, consts):
 
 
 def _engine_cases(c=16):
-    """Every engine layer and mode with ``c`` channels (groups of 4, or 2 where 4 does not divide c)."""
-    from normdense.layers.bcn import BatchChannelNorm2d
-    from normdense.layers.proxy_norm import GroupProxyNorm
-    from normdense.layers.unitization import Unitization2d
-    g = 4 if c % 4 == 0 else 2
-    yield 'bcn-estimate', lambda: BatchChannelNorm2d(c, g, mode='estimate', update_rate=0.1, backend='triton')
-    # another eps (a constexpr of the map): a key without the plan's configuration would share its kernels
-    yield 'bcn-estimate-eps', lambda: BatchChannelNorm2d(c, g, mode='estimate', update_rate=0.1, eps=1e-2,
-                                                         backend='triton')
-    yield 'bcn-batch', lambda: BatchChannelNorm2d(c, g, mode='batch', group_affine=False, backend='triton')
-    yield 'gnpn-gelu', lambda: GroupProxyNorm(c, g, act='gelu', backend='triton')
-    yield 'lnpn-silu', lambda: GroupProxyNorm(c, 1, act='silu', proxy_affine=False, backend='triton')
-    yield 'unitization-batch', lambda: Unitization2d(c, backend='triton')
-    yield 'unitization-estimate', lambda: Unitization2d(c, mode='estimate', update_rate=0.1, backend='triton')
+    """Every declared engine layer's cases with ``c`` channels (groups of 4, or 2 where 4 does not divide c;
+    tests/engine_cases.py: a layer a test module declares is one too), and a BCN with another eps (a constexpr of
+    the map: a key without the plan's configuration would share its kernels with the first BCN's)."""
+    cases = engine_cases(c, 4 if c % 4 == 0 else 2, backend='triton')
+    yield from cases.items()
+    yield 'bcn-estimate-eps', functools.partial(cases['bcn-estimate'], eps=1e-2)
 
 
 def test_every_engine_key_fixes_tritons_specialization():

@@ -77,6 +77,46 @@ def test_accesses_traced_to_arguments_through_sibling_regions():
     assert args['m_ptr']['single'] == 1 and not args['m_ptr']['load'] and unmatched == []
 
 
+# the same accesses as triton 3.8 and 3.9 write them (their LLVM): a .loc before each line of an inline asm block,
+# the block's own location first, then its line number counted up (4:7, 5:7, ...: no source position of the kernel)
+PTX_38 = '''
+\t.loc\t1 3 5
+\tld.global.b32 { %r1 }, [ %rd1 + 0 ];
+\t.loc\t1 4 7
+\t// begin inline asm
+\t.loc\t1 4 7
+\tmov.u32 %r2, 0x0;
+\t.loc\t1 5 7
+\tmov.u32 %r3, 0x0;
+\t.loc\t1 6 7
+\tmov.u32 %r4, 0x0;
+\t.loc\t1 7 7
+\tmov.u32 %r5, 0x0;
+\t.loc\t1 8 7
+\t@%p1 ld.global.v4.b32 { %r2, %r3, %r4, %r5 }, [ %rd2 + 0 ];
+
+\t// end inline asm
+\t.loc\t1 6 8
+\t// begin inline asm
+\t.loc\t1 6 8
+\t@%p2 st.global.b16 [ %rd3 + 0 ], { %rs1 };
+
+\t// end inline asm
+\t.file\t1 "k.py"
+'''
+
+
+def test_inline_asm_blocks_take_their_first_location():
+    """triton 3.8/3.9's PTX: an inline asm block's instructions take the block's location (its first .loc), not
+    the line numbers counted up after it; the same reading as the 3.7 format's. Read by the old rule (every
+    .loc), x's load would sit at 8:7, claimed by no TTIR access (the calibration's "unmatched")."""
+    assert [a['loc'] for a in S.ptx_accesses(PTX_38)] == [('k.py', 3, 5), ('k.py', 4, 7), ('k.py', 6, 8)]
+    args, unmatched = S.memory_accesses(TTIR, PTX_38)
+    assert (args['x_ptr']['load_bytes'], args['x_ptr']['load_elems']) == (16, 8)
+    assert (args['y_ptr']['store_bytes'], args['y_ptr']['store_elems']) == (2, 1)
+    assert unmatched == []
+
+
 def test_fp64_approximations_and_ptxas_lines():
     assert S.fp64_approx(PTX) == ['rsqrt.approx.f64 \t%fd2, %fd1;']
     log = ('ptxas info    : Used 40 registers, used 0 barriers, 380 bytes cmem[0]\n'

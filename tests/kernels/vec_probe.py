@@ -16,9 +16,13 @@ import os
 import re
 import sys
 import time
+import warnings
 
 assert os.environ.get('TRITON_INTERPRET') != '1', 'run without TRITON_INTERPRET: the kernels must be JIT ones'
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+# triton 3.9 warns on stderr that its default (FP fusion on, as 3.7's and 3.8's) changes in 3.10; the summary line
+# must stay the output's last (tests/kernels/test_vectorized.py reads stdout + stderr)
+warnings.filterwarnings('ignore', message='TRITON_DEFAULT_FP_FUSION is unset')
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -71,7 +75,7 @@ def record(cases):
         variants.setdefault(key, (self, signature, constexprs, current['case']))
 
     JITFunction.run = run
-    from normdense.kernels import triton as P
+    from tests.kernels import passes as P  # the passes launched on their own
     from normdense.kernels.activations import act_args
     for case in cases:
         layout, xdt, dydt, ydt, n, hw, act = case
@@ -112,18 +116,11 @@ def cases(quick=False):
 
 
 def registers(ptx, arch):
-    """'R registers, S B spill stores' of ``ptx`` from Triton's bundled ptxas."""
-    import subprocess
-    import tempfile
-    ptxas = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin', 'ptxas')
-    with tempfile.NamedTemporaryFile('w', suffix='.ptx') as f:
-        f.write(ptx)
-        f.flush()
-        out = subprocess.run([ptxas, '-v', f'--gpu-name=sm_{arch}a' if arch == 90 else f'--gpu-name=sm_{arch}',
-                              f.name, '-o', os.devnull], capture_output=True, text=True).stderr
-    regs = re.search(r'Used (\d+) registers', out)
-    spills = re.search(r'(\d+) bytes spill stores', out)
-    return f'{regs.group(1) if regs else "?"} registers, {spills.group(1) if spills else "?"} B spill stores'
+    """'R registers, S B spill stores' of ``ptx`` from the bundled ptxas Triton picks for ``arch``
+    (``sm90_compile.run_ptxas``: 3.9 takes ptxas-blackwell for sm_90)."""
+    from tests.kernels.sm90_compile import ptxas_resources, run_ptxas
+    regs, spills, _ = ptxas_resources(run_ptxas(ptx, arch))
+    return f'{"?" if regs is None else regs} registers, {"?" if spills is None else spills} B spill stores'
 
 
 def check(variants, arch=90, verbose=True, ptxas=False):
