@@ -191,11 +191,11 @@ def autocast_state(device_type: str) -> Tuple[bool, torch.dtype]:
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: it holds nothing
 
 
-def autocast_off(device_type: str, torch_code: bool = True):
+def autocast_off(device_type: str):
     """Autocast off for ``device_type`` around torch code that must see the dtypes the engine chose:
-    ``torch.autocast(enabled=False)`` where autocast is on and ``torch_code``, else a context that does nothing
-    (entering an autocast context costs about 6 us)."""
-    if torch_code and autocast_on(device_type):
+    ``torch.autocast(enabled=False)`` where autocast is on, else a context that does nothing (entering an autocast
+    context costs about 6 us)."""
+    if autocast_on(device_type):
         return torch.autocast(device_type, enabled=False)
     return _NO_CONTEXT
 

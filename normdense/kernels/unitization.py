@@ -201,8 +201,10 @@ class Scalars(NamedTuple):
     f_lo: float
 
 
+@functools.lru_cache(maxsize=1024)
 def _scalars(eps, positions, count, n, norm_divisor, var_correction) -> Scalars:
-    """The :class:`Scalars` as ``Unitization2d`` computes them: once per configuration and size."""
+    """The :class:`Scalars` as ``Unitization2d`` computes them: once per configuration and size (``count``: an
+    int or None; the kernel maps never take an all-reduced one)."""
     if n is not None:
         divisor = float(n)
     else:

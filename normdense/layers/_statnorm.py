@@ -208,7 +208,9 @@ class StatNorm2d(StatNormState):
         return self._run_autocast(x, self._plan(x), keep, synced)
 
     def _run_autocast(self, x, plan: _Plan, keep, synced):
-        with autocast_off(x.device.type, not plan.direct or synced):  # torch code between the passes
+        if plan.direct and not synced:  # no torch code between the passes: autocast as it is (no context)
+            return self._run(x, plan, keep, synced)
+        with autocast_off(x.device.type):  # torch code between the passes
             return self._run(x, plan, keep, synced)
 
     def _run(self, x, plan: _Plan, keep, synced):
