@@ -4,6 +4,8 @@
 #   VENV=path     virtualenv to use (default .venv)
 #   PYTHON=exe    interpreter that creates it (default python3)
 #   FORCE=1       re-run every step even if the install stamp matches
+#   MMCV_ONLY=1   only build and install mmcv 2.1.0 with its ops into an existing VENV, for the torch already
+#                 there (any torch; scripts/install_newest.sh uses it): `MMCV_ONLY=1 VENV=path bash scripts/install.sh`
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -25,20 +27,26 @@ trap fail ERR
 
 stamp_key() { cat requirements/*.txt setup.py pyproject.toml scripts/install.sh | sha256sum | cut -d' ' -f1; }
 
-if [ -z "${FORCE:-}" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(stamp_key)" ]; then
+if [ -z "${MMCV_ONLY:-}" ] && [ -z "${FORCE:-}" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(stamp_key)" ]; then
   echo "==> [install] $VENV is up to date (FORCE=1 make install to redo every step)"
   exit 0
 fi
 
-echo "==> [install] installing normdense into $VENV"
-echo "    NOTE: the first install builds mmcv 2.1.0 from source with its compiled ops:"
-echo "    about 15 minutes on 2 CPU cores. pip caches the wheel, so later installs are fast."
+if [ -n "${MMCV_ONLY:-}" ]; then
+  echo "==> [install] mmcv 2.1.0 with its ops for the torch in $VENV (MMCV_ONLY; the first build: 15-35 minutes on 2 cores)"
+else
+  echo "==> [install] installing normdense into $VENV"
+  echo "    NOTE: the first install builds mmcv 2.1.0 from source with its compiled ops:"
+  echo "    about 15 minutes on 2 CPU cores. pip caches the wheel, so later installs are fast."
+fi
 
 step "create virtualenv $VENV" "check that '$PYTHON -m venv' works (Debian: apt-get install python3-venv)"
 if [ ! -x "$PY" ]; then "$PYTHON" -m venv "$VENV"; else echo "    exists"; fi
 
 step "torch and torchvision (requirements/torch.txt)" "the pinned torch/torchvision wheels must be reachable from PyPI"
-if "$PY" -c "import torch, torchvision, sys; sys.exit(not (torch.__version__.split('+')[0]=='2.12.1' and torchvision.__version__.split('+')[0]=='0.27.1'))" 2>/dev/null; then
+if [ -n "${MMCV_ONLY:-}" ]; then
+  "$PY" -c "import torch, torchvision; print(f'    MMCV_ONLY: keeping torch {torch.__version__} / torchvision {torchvision.__version__}')"
+elif "$PY" -c "import torch, torchvision, sys; sys.exit(not (torch.__version__.split('+')[0]=='2.12.1' and torchvision.__version__.split('+')[0]=='0.27.1'))" 2>/dev/null; then
   echo "    torch 2.12.1 / torchvision 0.27.1 already installed"
 else
   "${PIP[@]}" -r requirements/torch.txt
@@ -79,9 +87,56 @@ for d in ['cpu'] + (['cuda'] if gpu else []):
     assert nms(b, torch.tensor([0.9, 0.8], device=d), 0.5)[1].tolist() == [0]" 2>/dev/null
 }
 step "mmcv 2.1.0 with compiled ops (source build, ~15 min the first time)" \
-     "needs gcc/g++ and the Python headers; a build error mentioning C++20 means torch is newer than 2.13"
+     "needs gcc/g++ (one with -std=c++20 for torch >= 2.14) and the Python headers"
+# torch >= 2.14's headers need C++20 (std::strong_ordering in c10), and mmcv 2.1.0's setup.py passes -std=c++17,
+# which comes after torch's own flag and wins. Where a c10 header does not compile as C++17 but does as C++20,
+# mmcv's sdist is built with that one flag changed. That build, and any MMCV_ONLY build, is a wheel kept in a
+# folder of its own per torch build: pip's wheel cache keys a wheel by its source, not by the torch it was built
+# against (see below), so another torch's venv would take, then remove, the pinned stack's cached wheel.
+cxx_ok() { echo '#include <c10/core/TensorImpl.h>' | "${CXX:-c++}" -std="$2" -fsyntax-only -x c++ -I"$1" - 2>/dev/null; }
+needs_cxx20() {
+  local inc
+  inc=$("$PY" -c "import torch.utils.cpp_extension as e; print(e.include_paths()[0])" 2>/dev/null)
+  ! cxx_ok "$inc" c++17 && cxx_ok "$inc" c++20
+}
+MMCV_WHEELS=${MMCV_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/normdense/mmcv-wheels}
+mmcv_own_wheel() {  # $1: c++20 to build with -std=c++20, else mmcv's own flags
+  local key dir src
+  key=$("$PY" -c "import torch; print(f'torch-{torch.__version__}-' + ('cuda-ops' if '$TORCH_CUDA' else 'cpu-ops'))")
+  dir="$MMCV_WHEELS/mmcv-2.1.0-$key${1:+-cxx20}"
+  if compgen -G "$dir/mmcv-2.1.0-*.whl" >/dev/null; then
+    echo "    the mmcv 2.1.0 wheel built for $key: $dir"
+    "${PIP[@]}" --force-reinstall --no-deps "$dir"/mmcv-2.1.0-*.whl
+    "${PIP[@]}" "$dir"/mmcv-2.1.0-*.whl  # its dependencies
+    if mmcv_ok; then return 0; fi
+    echo "    that wheel does not run its ops here: rebuilding it"
+    rm -f "$dir"/mmcv-2.1.0-*.whl
+  fi
+  src=$(mktemp -d)
+  "$PY" -m pip download -q --no-deps --no-binary :all: --no-build-isolation -d "$src" mmcv==2.1.0
+  tar -xzf "$src"/mmcv-2.1.0.tar.gz -C "$src"
+  if [ -n "${1:-}" ]; then
+    sed -i 's/-std=c++17/-std=c++20/g; s|/std:c++17|/std:c++20|g' "$src"/mmcv-2.1.0/setup.py
+    echo "    building mmcv 2.1.0 with -std=c++20 (its setup.py says c++17) into $dir"
+  else
+    echo "    building mmcv 2.1.0 into $dir"
+  fi
+  mkdir -p "$dir"
+  env "${MMCV_ENV[@]}" MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$PY" -m pip wheel --no-build-isolation --no-deps \
+    --no-cache-dir -w "$dir" "$src"/mmcv-2.1.0
+  rm -rf "$src"
+  "${PIP[@]}" --force-reinstall --no-deps "$dir"/mmcv-2.1.0-*.whl
+  "${PIP[@]}" "$dir"/mmcv-2.1.0-*.whl
+}
 if mmcv_ok; then
   echo "    mmcv 2.1.0 with ops already installed"
+elif needs_cxx20; then
+  echo "    torch $("$PY" -c 'import torch; print(torch.__version__)')'s headers need C++20: mmcv 2.1.0 is built with -std=c++20"
+  mmcv_own_wheel c++20
+  mmcv_ok
+elif [ -n "${MMCV_ONLY:-}" ]; then
+  mmcv_own_wheel
+  mmcv_ok
 else
   env "${MMCV_ENV[@]}" MAX_JOBS="${MAX_JOBS:-$(nproc)}" "${PIP[@]}" --no-build-isolation mmcv==2.1.0
   if ! mmcv_ok; then
@@ -93,6 +148,10 @@ else
       --force-reinstall --no-deps mmcv==2.1.0
     mmcv_ok
   fi
+fi
+
+if [ -n "${MMCV_ONLY:-}" ]; then
+  echo; echo "==> [install] MMCV_ONLY: mmcv 2.1.0 with ops is installed in $VENV"; exit 0
 fi
 
 step "OpenMMLab stack (requirements/runtime.txt)" "pip must reach PyPI; see the pip error above"
