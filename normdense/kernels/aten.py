@@ -33,7 +33,7 @@ import torch
 from torch.ops import aten
 
 from .backend import HALF as _HALF
-from .backend import STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, Statistics, StatsRequest, estimate_update, tracked
+from .backend import STATS_BATCH, STATS_ESTIMATE, STATS_FIXED, Statistics, StatsRequest, estimate_update, track_
 
 
 
@@ -169,8 +169,8 @@ def _write(stats: Statistics, shape) -> None:
         request.stat_mean.copy_(stats.mean)
         request.stat_var.copy_(stats.var)
     else:
-        tracked(stats.mean, stats.var, shape[0] * shape[2], request.momentum, request.nbt)(request.stat_mean,
-                                                                                            request.stat_var)
+        track_(request.stat_mean, request.stat_var, stats.mean, stats.var, shape[0] * shape[2], request.momentum,
+               request.nbt)
 
 
 class AtenBackend:

@@ -4,7 +4,7 @@ A backend (``aten.AtenBackend``: ATen's kernels, every device; ``triton.TritonBa
 kernels, CUDA, CPU tensors under ``TRITON_INTERPRET=1``) implements :class:`Backend` with these records: the
 first stage a call asks for (:class:`StatsRequest`, modes ``STATS_*``), what comes back (:class:`Statistics`) and
 a layer VJP's deferred sums (:class:`PendingSums`). Algorithm 1's and the running statistics' arithmetic in torch
-(:func:`estimate_moments`, :func:`estimate_step`, :func:`tracked`) is here too: the ATen backend and the layers'
+(:func:`estimate_moments`, :func:`estimate_step`, :func:`track_`) is here too: the ATen backend and the layers'
 estimates share it.
 
 Which backend: the layer's ``backend`` option, else the environment variable ``NORMDENSE_BACKEND``, else
@@ -15,7 +15,7 @@ warning; a forced ``triton`` raises instead. Imports no layer (and no triton unt
 import contextlib
 import os
 import warnings
-from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple, Union
+from typing import Any, NamedTuple, Optional, Protocol, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -376,18 +376,15 @@ def estimate_update(m: Tensor, v: Tensor, base: Tensor, rate) -> Tuple[Tensor, T
     return moved, estimate_step(base, moved, rate)
 
 
-def tracked(mean, var, count, momentum, nbt) -> Callable[[Tensor, Tensor], None]:
-    """A function (running_mean, running_var) -> None that moves the running statistics in place after one batch
-    of ``count`` values per channel (unbiased variance, as nn.BatchNorm); ``momentum`` None: the cumulative
-    average over num_batches_tracked + 1 batches. ``count`` a tensor (all-reduced): 0 leaves them as they are."""
+def track_(running_mean: Tensor, running_var: Tensor, mean, var, count, momentum, nbt) -> None:
+    """Move the running statistics in place after one batch of ``count`` values per channel (unbiased variance, as
+    nn.BatchNorm); ``momentum`` None: the cumulative average over num_batches_tracked + 1 batches. ``count`` a
+    tensor (all-reduced): 0 leaves them as they are."""
     weight = momentum if momentum is not None else (nbt + 1).to(mean.dtype).reciprocal()
     if isinstance(count, torch.Tensor):
         unbiased = var * count / (count - 1).clamp(min=1)
         weight = (count > 0).to(mean.dtype) * weight
     else:
         unbiased = var * (count / (count - 1))
-
-    def write(running_mean, running_var):
-        running_mean.lerp_(mean.to(running_mean.dtype), weight)
-        running_var.lerp_(unbiased.to(running_var.dtype), weight)
-    return write
+    running_mean.lerp_(mean.to(running_mean.dtype), weight)
+    running_var.lerp_(unbiased.to(running_var.dtype), weight)

@@ -259,7 +259,7 @@ class StatNorm2d(StatNormState):
             coeffs, res = call.maps.coeff_map(stats.m, stats.v, stats.mean, stats.var, params, length, count)
         else:  # the deferred first stage runs in the map's launch
             coeffs, res = call.maps.coeff_map(stats.m, stats.v, stats.mean, stats.var, params, length, count,
-                                       first=stats.first)
+                                              first=stats.first)
         y4 = out = None
         if plan.direct and x3 is view:  # the output in x's shape and layout (x3 is x, or x converted)
             y4 = out = torch.empty_like(x) if plan.out_dtype == x.dtype else \

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from ..kernels.backend import HALF as _HALF
-from ..kernels.backend import check_backend, tracked
+from ..kernels.backend import check_backend, track_
 from ._estimate import Estimates
 
 
@@ -109,6 +109,6 @@ class StatNormState(nn.Module):
         all-reduce), outside the backends (the collective path, the reference compositions)."""
         with torch.no_grad():
             nbt = self._buffers.get('num_batches_tracked')
-            tracked(mean, var, count, self.momentum, nbt)(self.running_mean, self.running_var)
+            track_(self.running_mean, self.running_var, mean, var, count, self.momentum, nbt)
             if nbt is not None:
                 nbt.add_(1)
